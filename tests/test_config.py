@@ -1,0 +1,98 @@
+"""The validated config: composition, recipes, and one-line errors for bad overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from qwenft.cli import available_recipes, validate
+from qwenft.config import ALL_TARGETS, ConfigError, register_resolvers
+from tests.conftest import ROOT, compose_config
+
+
+def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
+    import os
+
+    env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-m", "qwenft", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_defaults_compose():
+    config = compose_config()
+    assert config.command == "train"
+    assert config.model.source == "embedded"
+    assert config.quant.method == "nf4" and config.quant.double_quant and config.quant.compute_dtype == "bfloat16"
+    assert config.lora.target_modules == ALL_TARGETS
+    assert [s.weight for s in config.data.sources] == [0.8, 0.2]
+
+
+def test_group_options_and_overrides():
+    config = compose_config("model=tiny-random", "quant=none", "lora.r=8", "train.lr=1e-3")
+    assert config.model.source == "tiny-random" and config.quant.method == "none"
+    assert config.lora.r == 8 and config.train.lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("lora.rank=8", "lora.rank"),
+    ("train.lr=fast", "train.lr"),
+    ("lora.r=0", "lora.r"),
+    ("quant=nf3", "quant"),
+    ("+lora.foo=1", "lora.foo"),
+    ("lora.target_modules=[q_proj,qkv]", "lora.target_modules"),
+    ("generate.top_p=1.5", "generate.top_p"),
+    ("data.sources=[{name: a, path: x.jsonl, weight: -1}]", "weight"),
+    ("model=gpt2", "model"),
+])
+def test_bad_overrides_name_the_key(override, key):
+    register_resolvers()
+    with pytest.raises(ConfigError) as info:
+        validate("train", [override])
+    message = str(info.value)
+    assert key in message and "\n" not in message
+
+
+def test_multirun_grid_validates_every_point():
+    register_resolvers()
+    assert [c.lora.r for c in validate("train", ["lora.r=8,16"], multirun=True)] == [8, 16]
+    with pytest.raises(ConfigError, match="lora.r"):
+        validate("train", ["lora.r=8,0"], multirun=True)
+
+
+def test_every_recipe_composes():
+    recipes = available_recipes()
+    assert recipes, "recipes/ has no recipe"
+    for name in recipes:
+        config = compose_config(f"+recipe={name}")
+        assert config.run_name == name, f"recipe {name} should set run_name: {name}"
+
+
+def test_help_lists_the_seven_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("train", "eval", "generate", "merge", "data", "inspect", "plan"):
+        assert f"\n  {command} " in result.stdout
+
+
+@pytest.mark.parametrize("override, key", [("lora.rank=8", "lora.rank"), ("train.lr=fast", "train.lr"),
+                                           ("lora.r=0", "lora.r")])
+def test_cli_bad_override_exits_2_with_one_line(override, key):
+    result = run_cli("train", override)
+    assert result.returncode == 2
+    assert key in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_unknown_recipe_lists_recipes():
+    result = run_cli("train", "+recipe=nope")
+    assert result.returncode == 2
+    for name in available_recipes():
+        assert name in result.stderr
+
+
+def test_cli_unknown_command():
+    result = run_cli("fly")
+    assert result.returncode == 2 and "train" in result.stderr

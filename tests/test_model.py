@@ -1,0 +1,157 @@
+"""Model loading: sources, NF4 + LoRA on CPU, tokenizer and generation_config invariants, adapters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qwenft.config import QwenftError
+from qwenft.model import attach_lora, load_adapter, load_model, resolve_model_dir
+from tests.conftest import ROOT, compose_config
+
+
+def tiny(tmp_path, *overrides):
+    return compose_config("model=tiny-random", f"out_dir={tmp_path}", *overrides)
+
+
+def chat_batch(tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is Paris."}]
+    ids = tokenizer.apply_chat_template(messages, return_dict=False)
+    return torch.tensor([ids])
+
+
+def test_nf4_eval_then_lora_training(tmp_path):
+    """The bitsandbytes CPU pitfall: a no-grad eval forward before training must not break training."""
+    from bitsandbytes.nn import Linear4bit
+
+    config = tiny(tmp_path, "quant=nf4", "lora.lora_dropout=0.0")
+    torch.manual_seed(0)
+    model, tokenizer = load_model(config, device="cpu")
+    four_bit = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    assert len(four_bit) == 7 * config.model.tiny.num_hidden_layers
+    assert all(m.support_avx512bf16_for_cpu is False for m in four_bit)
+    batch = chat_batch(tokenizer)
+
+    model.eval()
+    with torch.no_grad():
+        base_logits = model(batch).logits
+    assert torch.isfinite(base_logits).all()
+
+    peft_model = attach_lora(model, config.lora, gradient_checkpointing=True)
+    peft_model.train()
+    assert peft_model.config.use_cache is False
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for step in range(3):
+        loss = peft_model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad for n, p in peft_model.named_parameters() if "lora_B" in n}
+            assert len(grads) == 7 * config.model.tiny.num_hidden_layers
+            # B starts at zero, so its first gradient is the one that shows the adapter is wired in.
+            assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), "a LoRA B got no gradient"
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[2] < losses[0], losses
+
+
+def test_sixteen_bit_lora_with_checkpointing_gets_gradients(tmp_path):
+    config = tiny(tmp_path, "quant=none")
+    model, tokenizer = load_model(config, device="cpu")
+    assert model.dtype == torch.float32
+    peft_model = attach_lora(model, config.lora, gradient_checkpointing=True)
+    assert peft_model.get_input_embeddings().weight.requires_grad is False
+    batch = chat_batch(tokenizer)
+    peft_model(input_ids=batch, labels=batch).loss.backward()
+    grads = [p.grad for n, p in peft_model.named_parameters() if "lora_B" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_tokenizer_and_generation_config(tmp_path):
+    model, tokenizer = load_model(tiny(tmp_path, "quant=none"), device="cpu")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert tokenizer.pad_token_id == eot != im_end
+    assert set(model.generation_config.eos_token_id) >= {im_end, eot}
+    assert model.generation_config.pad_token_id == eot
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert rows == 512 > len(tokenizer)  # never shrunk to len(tokenizer)
+    text = "春天来了 — spring 🌸"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_chat_template_renders_chatml(tmp_path):
+    _, tokenizer = load_model(tiny(tmp_path, "quant=none"), device="cpu")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_adapter_round_trip(tmp_path):
+    config = tiny(tmp_path, "quant=none", "lora.lora_dropout=0.0")
+    model, tokenizer = load_model(config, device="cpu")
+    peft_model = attach_lora(model, config.lora, gradient_checkpointing=False)
+    with torch.no_grad():  # make the adapter non-trivial (B is zero at init)
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    peft_model.eval()
+    batch = chat_batch(tokenizer)
+    with torch.no_grad():
+        expected = peft_model(batch).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+
+    fresh, _ = load_model(config, device="cpu")
+    with torch.no_grad():
+        base = fresh(batch).logits
+    loaded = load_adapter(fresh, str(tmp_path / "adapter"))
+    loaded.eval()
+    with torch.no_grad():
+        got = loaded(batch).logits
+    assert (expected - base).abs().max() > 1e-3  # the adapter is not a no-op
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)  # fp32, same ops: rounding only
+
+
+def test_bad_sources_are_user_errors(tmp_path):
+    with pytest.raises(QwenftError, match="model.path"):
+        resolve_model_dir(compose_config("model.source=local", f"model.path={tmp_path}/nothing").model)
+    config = tiny(tmp_path, "quant=none")
+    model, _ = load_model(config, device="cpu")
+    with pytest.raises(QwenftError, match="adapter_config.json"):
+        load_adapter(model, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_embedded_model(embedded_dir):
+    """The embedded 0.5B model: converted once, then reloaded from the cache in a new process."""
+    config = json.loads((embedded_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"],
+            config["vocab_size"]) == (24, 896, 2, 151936)
+    script = (
+        "import time, json; t = time.perf_counter()\n"
+        "from tests.conftest import compose_config\n"
+        "from qwenft.model import load_model\n"
+        "model, tok = load_model(compose_config('quant=none'), device='cpu')\n"
+        "elapsed = time.perf_counter() - t\n"
+        "prompt = tok.apply_chat_template([{'role': 'user', 'content': '春天'}], tokenize=False,"
+        " add_generation_prompt=True)\n"
+        "print(json.dumps({'seconds': elapsed, 'layers': len(model.model.layers), 'prompt': prompt,"
+        " 'eos': model.generation_config.eos_token_id, 'pad': tok.pad_token_id,"
+        " 'rows': model.get_input_embeddings().weight.shape[0]}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"embedded model reload in a new process: {info['seconds']:.1f} s")
+    assert info["seconds"] < 15.0
+    assert info["layers"] == 24 and info["rows"] == 151936
+    assert info["prompt"].startswith("<|im_start|>system\n") and info["prompt"].endswith("<|im_start|>assistant\n")
+    assert set(info["eos"]) == {151645, 151643} and info["pad"] == 151643
