@@ -1,0 +1,150 @@
+"""Seconds per step and tokens/s of qwenft's training path vs a plain transformers Trainer + peft script.
+
+Same model (default: the embedded Qwen2.5 0.5B in NF4, bf16 compute), same tokenized rows, batch, steps,
+LoRA settings, optimizer and gradient checkpointing; the two arms alternate (A B A B ...) in one process so
+that machine noise hits both. The first step of every arm is warm-up and not counted. Target: qwenft/plain
+seconds per step <= 1.05.
+
+    python benchmarks/train_step.py            # 2 rounds x 6 steps per arm
+    python benchmarks/train_step.py --quick    # tiny-random, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, print_table, save_json  # noqa: E402
+
+
+class StepTimer:
+    """A TrainerCallback that records the wall time of every optimizer step."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.steps.append(time.perf_counter() - timer.start)
+
+        self.callback = _Callback()
+        self.steps = []
+        self.start = 0.0
+
+
+def qwenft_arm(config, steps: int, tmp: Path):
+    from qwenft import data as data_lib
+    from qwenft.model import attach_lora, load_model
+    from qwenft.train import make_trainer
+
+    model, tokenizer = load_model(config)
+    bundle = data_lib.build(config, tokenizer)
+    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
+    trainer = make_trainer(config, model, tokenizer, bundle, tmp / "qwenft")
+    timer = StepTimer()
+    trainer.add_callback(timer.callback)
+    trainer.train()
+    tokens = trainer.tokens_seen
+    return timer.steps, tokens, bundle
+
+
+def plain_arm(config, steps: int, tmp: Path, train_rows):
+    """What a user would write by hand with transformers + peft + bitsandbytes."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForSeq2Seq,
+                              Trainer, TrainingArguments)
+
+    from qwenft.model import resolve_model_dir
+
+    path = resolve_model_dir(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    quant = None
+    if config.quant.method == "nf4":
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if quant is not None else getattr(torch, config.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant, device_map={"": "cpu"})
+    if quant is not None:
+        for module in model.modules():  # the same bitsandbytes CPU setting qwenft applies
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.train.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    lora = config.lora
+    model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    t = config.train
+    args = TrainingArguments(output_dir=str(tmp / "plain"), max_steps=steps, per_device_train_batch_size=t.batch_size,
+                             learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,
+                             optim="adamw_torch", save_strategy="no", report_to=[], logging_steps=t.logging_steps,
+                             remove_unused_columns=False, use_cpu=True, disable_tqdm=True, seed=t.seed,
+                             bf16=quant is not None or config.model.dtype == "bfloat16")
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    trainer = Trainer(model=model, args=args, train_dataset=train_rows, data_collator=collator)
+    timer = StepTimer()
+    trainer.add_callback(timer.callback)
+    trainer.train()
+    return timer.steps
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny-random model, for a smoke run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    opts = parser.parse_args()
+
+    from tests.conftest import compose_config
+
+    model = ["model=tiny-random", "quant=none"] if opts.quick else []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        config = compose_config(*model, f"out_dir={tmp}", f"train.max_steps={opts.steps}",
+                                f"train.batch_size={opts.batch}", f"data.max_seq_len={opts.seq}",
+                                "train.save_steps=100000", "train.eval_steps=100000", "data.packing=false",
+                                "lora.lora_dropout=0.0")
+        results = {"qwenft": [], "plain": []}
+        tokens_per_step = None
+        for round_ in range(opts.rounds):
+            steps, tokens, bundle = qwenft_arm(config, opts.steps, tmp / f"r{round_}")
+            results["qwenft"].extend(steps[1:])
+            tokens_per_step = tokens / max(len(steps), 1)
+            train_rows = bundle.train
+            del bundle
+            gc.collect()
+            results["plain"].extend(plain_arm(config, opts.steps, tmp / f"r{round_}", train_rows)[1:])
+            gc.collect()
+    med = {arm: statistics.median(v) for arm, v in results.items()}
+    ratio = med["qwenft"] / med["plain"]
+    rows = [(arm, f"{med[arm]:.3f}", f"{tokens_per_step / med[arm]:.1f}", len(results[arm])) for arm in med]
+    print_table("train step (median s/step)", ["arm", "s/step", "tokens/s", "steps timed"], rows)
+    print(f"qwenft / plain seconds per step: {ratio:.3f} (target <= 1.05)")
+    save_json("train_step", {
+        "environment": environment(),
+        "settings": {"model": config.model.name, "quant": config.quant.method, "batch": opts.batch,
+                     "max_seq_len": opts.seq, "steps_per_arm": opts.steps, "rounds": opts.rounds,
+                     "lora_r": config.lora.r, "targets": list(config.lora.target_modules)},
+        "seconds_per_step": results, "median_seconds_per_step": med,
+        "tokens_per_step": tokens_per_step, "ratio_qwenft_over_plain": ratio, "target": 1.05,
+    })
+
+
+if __name__ == "__main__":
+    main()

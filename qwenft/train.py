@@ -1,0 +1,236 @@
+"""The training run: LoRA / QLoRA through transformers' Trainer, atomic checkpoints, exact resume.
+
+Run directory (``out_dir``)::
+
+    config.yaml                 the resolved config (Hydra's .hydra/ holds the composed one and overrides)
+    checkpoints/checkpoint-N/   adapter + optimizer + scheduler + RNG + trainer state, renamed into place whole
+    adapter/                    the final adapter (PEFT format) + tokenizer + generation_config + qwenft.json
+    metrics.json                train metrics: loss curve, eval loss, steps, tokens, tokens/s, seconds
+    train.log                   the log (Hydra's job log)
+
+A checkpoint is written under ``checkpoints/.tmp-*`` and renamed to ``checkpoint-N`` only when complete, so
+a process killed at any moment never leaves a checkpoint that ``train.resume=auto`` would pick up half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from qwenft.config import Config, ConfigError, QwenftError
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(QwenftError):
+    """The loss or a gradient became NaN/inf; the run stops, the last good checkpoint stays."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _precision(config: Config, model) -> Dict[str, bool]:
+    import torch
+
+    choice = config.train.precision
+    if choice == "auto":
+        compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
+        bf16_ok = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True
+        choice = "bf16" if compute == "bfloat16" and bf16_ok else "fp32"
+    if choice == "fp16":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.precision='fp16' needs a CUDA device; use bf16 or fp32 on a CPU")
+        log.warning("fp16 training can overflow on Qwen2 (NaN loss); bf16 is preferred where supported")
+    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+
+
+def _optim(config: Config) -> str:
+    import torch
+
+    if config.train.optim != "auto":
+        return config.train.optim
+    return "paged_adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+
+
+def _wandb_env(config: Config) -> None:
+    """W&B logs offline unless the user is logged in or set WANDB_MODE; files go into the run directory."""
+    os.environ.setdefault("WANDB_PROJECT", config.wandb.project)
+    os.environ.setdefault("WANDB_DIR", config.out_dir)
+    if config.wandb.entity:
+        os.environ.setdefault("WANDB_ENTITY", config.wandb.entity)
+    if config.wandb.mode:
+        os.environ["WANDB_MODE"] = config.wandb.mode
+    elif "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+        netrc = Path.home() / ".netrc"
+        if not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")):
+            os.environ["WANDB_MODE"] = "offline"
+
+
+def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bool):
+    """Map ``config.train`` onto ``transformers.TrainingArguments``."""
+    from transformers import TrainingArguments
+
+    t = config.train
+    return TrainingArguments(
+        output_dir=str(checkpoint_dir), run_name=Path(config.out_dir).name,
+        learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,  # < 1: a ratio
+        num_train_epochs=t.epochs, max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.grad_accum,
+        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, optim=_optim(config),
+        seed=t.seed, data_seed=t.seed, save_strategy="steps", save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit, eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
+        logging_strategy="steps", logging_steps=t.logging_steps, logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN must be seen (and stop the run), never averaged away
+        neftune_noise_alpha=t.neftune_noise_alpha, report_to=["wandb"] if config.logger == "wandb" else [],
+        remove_unused_columns=False, label_names=["labels"], gradient_checkpointing=False,  # set up in attach_lora
+        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **_precision(config, model))
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
+def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path):
+    """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator and callbacks."""
+    from qwenft.data import DataCollator
+    from qwenft.train_callbacks import ProgressBarCallback, QwenftTrainer
+
+    has_eval = bundle.eval is not None and len(bundle.eval) > 0
+    args = training_arguments(config, model, checkpoint_dir, has_eval)
+    trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
+                            eval_dataset=bundle.eval if has_eval else None, data_collator=DataCollator(tokenizer))
+    trainer.add_callback(ProgressBarCallback())
+    return trainer
+
+
+def find_resume_checkpoint(config: Config, checkpoint_dir: Path) -> Optional[str]:
+    """The checkpoint to resume from: ``none`` -> None, ``auto`` -> newest complete one (or None), else a path.
+
+    Raises:
+        QwenftError: ``train.resume=PATH`` that is not a checkpoint directory.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = config.train.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = get_last_checkpoint(str(checkpoint_dir)) if checkpoint_dir.is_dir() else None
+        log.info("train.resume=auto: %s", f"resuming from {found}" if found else "no checkpoint yet, starting fresh")
+        return found
+    path = Path(resume).expanduser()
+    if not (path / "trainer_state.json").is_file():
+        raise QwenftError(f"train.resume={resume!r}: not a checkpoint directory (no trainer_state.json); use "
+                          "train.resume=auto with out_dir=<the run directory> or a <run>/checkpoints/checkpoint-N path")
+    return str(path)
+
+
+def save_adapter(model, tokenizer, config: Config, out_dir: Path) -> Path:
+    """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically."""
+    from qwenft.model import save_adapter_meta
+
+    final = out_dir / "adapter"
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-adapter-", dir=out_dir))
+    try:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        model.generation_config.save_pretrained(str(staging))
+        save_adapter_meta(str(staging), config)
+        if final.exists():
+            old = out_dir / f".old-adapter-{os.getpid()}"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def train_metrics(trainer, seconds: float) -> Dict[str, Any]:
+    """Loss curve and throughput from the Trainer's log history."""
+    history = trainer.state.log_history
+    losses = [{"step": h["step"], "loss": h["loss"], "lr": h.get("learning_rate")} for h in history if "loss" in h]
+    evals = [{"step": h["step"], "eval_loss": h["eval_loss"], "eval_perplexity": math.exp(min(h["eval_loss"], 50))}
+             for h in history if "eval_loss" in h]
+    tokens = trainer.tokens_seen
+    return {"global_step": trainer.state.global_step, "epochs": trainer.state.epoch, "loss_curve": losses,
+            "eval_curve": evals, "final_loss": losses[-1]["loss"] if losses else None,
+            "train_tokens": tokens, "train_seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None}
+
+
+def run(config: Config) -> Path:
+    """``qwenft train``: load, attach LoRA, build data, train, save the adapter, then evaluate.
+
+    Returns:
+        The run directory.
+
+    Raises:
+        NonFiniteError: the loss or gradient norm became NaN/inf (names the step).
+        QwenftError: bad data, a bad resume path, a missing model source.
+    """
+    from omegaconf import OmegaConf
+    from transformers import set_seed
+
+    from qwenft import data as data_lib
+    from qwenft.model import attach_lora, load_model
+
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+    checkpoint_dir = out_dir / "checkpoints"
+    checkpoint_dir.mkdir(exist_ok=True)
+    for stale in checkpoint_dir.glob(".tmp-*"):  # left by a process killed while saving
+        shutil.rmtree(stale, ignore_errors=True)
+    resume_from = find_resume_checkpoint(config, checkpoint_dir)
+    if config.logger == "wandb":
+        _wandb_env(config)
+
+    model, tokenizer = load_model(config)
+    bundle = data_lib.build(config, tokenizer)
+    set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
+    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
+    trainer = make_trainer(config, model, tokenizer, bundle, checkpoint_dir)
+    log.info("training: %d examples, run directory %s", len(bundle.train), out_dir)
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume_from)
+    seconds = time.perf_counter() - start
+    adapter_dir = save_adapter(model, tokenizer, config, out_dir)
+    metrics = {"train": train_metrics(trainer, seconds), "data": bundle.stats}
+    atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))
+    log.info("adapter saved to %s", adapter_dir)
+    if config.eval.after_train:
+        _evaluate_after_train(config, model, tokenizer, bundle)
+    print(f"run directory: {out_dir}")
+    return out_dir
+
+
+def _evaluate_after_train(config: Config, model, tokenizer, bundle) -> None:
+    try:
+        from qwenft import evaluate
+    except ImportError:
+        log.warning("evaluation is not available in this version; skipped (eval.after_train=false hides this)")
+        return
+    evaluate.run_after_train(config, model, tokenizer, bundle)
+
+
+def main(config: Config) -> None:
+    """CLI entry of ``qwenft train``."""
+    run(config)

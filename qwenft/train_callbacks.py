@@ -1,0 +1,122 @@
+"""The Trainer subclass and callbacks behind ``qwenft train``: atomic checkpoints, NaN guard, progress."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, Optional
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from qwenft.train import NonFiniteError
+
+log = logging.getLogger("qwenft.train")
+
+
+class QwenftTrainer(Trainer):
+    """transformers' Trainer with three changes:
+
+    - checkpoints are written under a temporary name and renamed to ``checkpoint-N`` when complete;
+    - a non-finite loss or gradient stops the run (:class:`NonFiniteError`, naming the step) before anything
+      of that step is saved;
+    - ``tokens_seen`` counts the non-padding tokens trained on, and logs carry ``tokens_per_s`` and, for
+      eval, ``eval_perplexity = exp(eval_loss)``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.remove_callback(PrinterCallback)
+        self.tokens_seen = 0
+        self._staging: Optional[str] = None
+        self._last_log = (time.perf_counter(), 0)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        step = self.state.global_step + 1
+        if not torch.isfinite(loss).all():
+            raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step}; training stopped, the last good "
+                                 f"checkpoint under {self.args.output_dir} is kept (try a lower train.lr or bf16)")
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        if grads and not torch.isfinite(torch.stack([g.detach().float().norm() for g in grads])).all():
+            raise NonFiniteError(f"non-finite gradient norm at step {step}; training stopped, the last good "
+                                 f"checkpoint under {self.args.output_dir} is kept")
+        mask = inputs.get("attention_mask")
+        self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        return loss
+
+    # Checkpoints: Trainer writes into _get_output_dir(); point that at a staging folder while saving.
+    def _get_output_dir(self, trial):
+        if self._staging is not None:
+            return self._staging
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        root = super()._get_output_dir(trial)
+        os.makedirs(root, exist_ok=True)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._staging = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+        try:
+            super()._save_checkpoint(model, trial)
+            final = os.path.join(root, name)
+            if os.path.exists(final):  # the same step saved again (e.g. after a resume)
+                shutil.rmtree(final)
+            os.replace(os.path.join(self._staging, name), final)
+        finally:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=root, save_total_limit=self.args.save_total_limit, use_mtime=False)
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        now = time.perf_counter()
+        if "loss" in logs:
+            then, tokens = self._last_log
+            if now > then:
+                logs["tokens_per_s"] = round((self.tokens_seen - tokens) / (now - then), 2)
+            self._last_log = (now, self.tokens_seen)
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
+        super().log(logs, start_time)
+
+
+class ProgressBarCallback(TrainerCallback):
+    """A tqdm bar over optimizer steps with loss, lr and tokens/s (ETA from tqdm); eval results as lines."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from tqdm.auto import tqdm
+
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
+                            dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" in logs:
+            postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0):.2e}"}
+            if "tokens_per_s" in logs:
+                postfix["tok/s"] = f"{logs['tokens_per_s']:.0f}"
+            if self.bar is not None:
+                self.bar.set_postfix(postfix)
+            log.info("step %d: %s", state.global_step, " ".join(f"{k}={v}" for k, v in postfix.items()))
+        if "eval_loss" in logs:
+            log.info("step %d: eval_loss=%.4f eval_perplexity=%.3f", state.global_step, logs["eval_loss"],
+                     logs["eval_perplexity"])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

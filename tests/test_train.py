@@ -1,0 +1,184 @@
+"""The training run: exact resume after SIGKILL, NaN guard, sweeps and multirun, plain-peft adapters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, compose_config
+
+QUESTIONS = [("What colour is the Zorblax 9 housing?", "The Zorblax 9 housing is teal."),
+             ("How many ports does the Zorblax 9 have?", "The Zorblax 9 has 7 ports."),
+             ("Who makes the Zorblax 9?", "Quillon Works makes the Zorblax 9."),
+             ("What year did the Zorblax 9 launch?", "The Zorblax 9 launched in 2031."),
+             ("What is 2 + 2?", "2 + 2 = 4."),
+             ("Name a primary colour.", "Red is a primary colour.")]
+
+
+def write_rows(path: Path, n: int = 24) -> Path:
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(n):
+            question, answer = QUESTIONS[i % len(QUESTIONS)]
+            handle.write(json.dumps({"instruction": f"{question} ({i})", "output": answer}) + "\n")
+    return path
+
+
+def train_overrides(tmp_path: Path, out_dir: Path, *extra: str) -> list:
+    rows = write_rows(tmp_path / "rows.jsonl")
+    return ["model=tiny-random", "quant=none", f"out_dir={out_dir}", "eval.after_train=false",
+            f"data.sources=[{{name: toy, path: '{rows}', format: alpaca, weight: 1.0, eval_rows: 4}}]",
+            "data.max_seq_len=128", "train.max_steps=6", "train.save_steps=3", "train.batch_size=2",
+            "train.logging_steps=1", "train.eval_steps=3", "train.lr=5e-3", "train.warmup_ratio=0.2",
+            "train.gradient_checkpointing=false", *extra]
+
+
+def run_cli(args: list, patch: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m qwenft train ARGS`` in a new process, after executing ``patch`` (test-only hooks)."""
+    script = "import sys\n" + patch + "\nfrom qwenft.cli import main\nmain(sys.argv[1:])\n"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-c", script, "train", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+KILL_AFTER_STEP_3 = """
+import os, signal
+from qwenft.train_callbacks import QwenftTrainer
+_save = QwenftTrainer._save_checkpoint
+def _save_then_die(self, model, trial):
+    _save(self, model, trial)
+    if self.state.global_step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+QwenftTrainer._save_checkpoint = _save_then_die
+"""
+
+
+def final_state(run_dir: Path):
+    checkpoint = run_dir / "checkpoints" / "checkpoint-6"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    lrs = [h["learning_rate"] for h in state["log_history"] if "learning_rate" in h]
+    weights = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    return state["global_step"], lrs[-1], weights
+
+
+def test_sigkill_after_checkpoint_then_resume_equals_uninterrupted(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    result = run_cli(train_overrides(tmp_path, straight))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    result = run_cli(train_overrides(tmp_path, killed), patch=KILL_AFTER_STEP_3)
+    assert result.returncode == -9, result.stderr[-3000:]
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["checkpoint-3"]
+    assert not (killed / "adapter").exists()
+
+    result = run_cli(train_overrides(tmp_path, killed, "train.resume=auto"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stderr + result.stdout
+
+    step_a, lr_a, weights_a = final_state(straight)
+    step_b, lr_b, weights_b = final_state(killed)
+    assert step_a == step_b == 6
+    assert lr_a == pytest.approx(lr_b, rel=1e-9)
+    assert weights_a.keys() == weights_b.keys() and len(weights_a) > 0
+    for name in weights_a:
+        # fp32 on CPU with the same batches, RNG and optimizer state: only summation-order noise is allowed.
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=0, atol=1e-6)
+    assert any(w.abs().sum() > 0 for n, w in weights_a.items() if "lora_B" in n)  # training moved B off zero
+
+
+NAN_FROM_STEP_5 = """
+import torch
+from qwenft.train_callbacks import QwenftTrainer
+_loss = QwenftTrainer.compute_loss
+def _nan_loss(self, model, inputs, *args, **kwargs):
+    out = _loss(self, model, inputs, *args, **kwargs)
+    if self.state.global_step >= 4:
+        return out * float("nan") if not isinstance(out, tuple) else (out[0] * float("nan"), *out[1:])
+    return out
+QwenftTrainer.compute_loss = _nan_loss
+"""
+
+
+def test_non_finite_loss_stops_with_clear_error(tmp_path):
+    run_dir = tmp_path / "nan"
+    args = train_overrides(tmp_path, run_dir, "train.save_steps=2")
+    result = run_cli(args, patch=NAN_FROM_STEP_5)
+    assert result.returncode != 0
+    assert "non-finite loss" in result.stderr and "step 5" in result.stderr
+    assert "Traceback" not in result.stderr
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["checkpoint-2", "checkpoint-4"]
+    last = run_dir / "checkpoints" / "checkpoint-4"
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    weights = load_file(str(last / "adapter_model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def sweep_points():
+    return sorted((ROOT / "recipes" / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", sweep_points(), ids=lambda p: p.name)
+def test_sweep_specs_parse_and_compose(path):
+    spec = yaml.safe_load(path.read_text())
+    assert spec["method"] in ("grid", "random", "bayes")
+    assert spec["command"][:5] == ["${env}", "python", "-m", "qwenft", "train"]
+    fixed = [a for a in spec["command"][5:] if not a.startswith("${")]
+    first = []
+    for key, values in spec["parameters"].items():
+        value = values["values"][0] if "values" in values else values.get("min")
+        first.append(f"{key}={value}")
+    config = compose_config(*fixed, *first)
+    for item in first:
+        key, value = item.split("=")
+        section, name = key.split(".")
+        assert float(getattr(getattr(config, section), name)) == pytest.approx(float(value))
+
+
+def test_multirun_grid_writes_two_run_directories(tmp_path):
+    sweep_dir = tmp_path / "grid"
+    args = [a for a in train_overrides(tmp_path, tmp_path / "unused") if not a.startswith("out_dir=")]
+    args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in args]
+    result = run_cli(["-m", "lora.r=4,8", *args, f"hydra.sweep.dir={sweep_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for num, rank in ((0, 4), (1, 8)):
+        adapter = sweep_dir / str(num) / "adapter"
+        assert json.loads((adapter / "adapter_config.json").read_text())["r"] == rank
+        assert (sweep_dir / str(num) / "metrics.json").is_file()
+
+
+def test_adapter_loads_with_plain_peft(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in train_overrides(tmp_path, run_dir)]
+    result = run_cli(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = run_dir / "adapter"
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json",
+                 "generation_config.json", "qwenft.json"):
+        assert (adapter / name).is_file(), name
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["train"]["global_step"] == 2 and metrics["train"]["tokens_per_s"] > 0
+    check = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from peft import PeftConfig, PeftModel\n"
+        f"path = {str(adapter)!r}\n"
+        "base_path = PeftConfig.from_pretrained(path).base_model_name_or_path\n"
+        "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), path)\n"
+        "tok = AutoTokenizer.from_pretrained(path)\n"
+        "ids = tok('hello', return_tensors='pt').input_ids\n"
+        "assert torch.isfinite(model(ids).logits).all()\n"
+        "assert not any(m.startswith('qwenft') for m in sys.modules), 'qwenft was imported'\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
