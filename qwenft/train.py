@@ -192,6 +192,11 @@ def run(config: Config) -> Path:
     from qwenft import data as data_lib
     from qwenft.model import attach_lora, load_model
 
+    if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
+        from qwenft.evaluate.run import check_ppl_sources, generate_preset
+
+        generate_preset(config)
+        check_ppl_sources(config)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
@@ -223,12 +228,10 @@ def run(config: Config) -> Path:
 
 
 def _evaluate_after_train(config: Config, model, tokenizer, bundle) -> None:
-    try:
-        from qwenft import evaluate
-    except ImportError:
-        log.warning("evaluation is not available in this version; skipped (eval.after_train=false hides this)")
-        return
-    evaluate.run_after_train(config, model, tokenizer, bundle)
+    from qwenft.evaluate import run_after_train
+
+    run_after_train(config, model, tokenizer, bundle)
+    print(f"report: {Path(config.out_dir) / 'report.md'}")
 
 
 def main(config: Config) -> None:

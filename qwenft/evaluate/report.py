@@ -1,0 +1,184 @@
+"""Evaluation outputs in the run directory: metrics.json, generations.jsonl, report.md and PNG plots.
+
+Every file is written under a temporary name and renamed, so an interrupted evaluation never leaves a
+half-written report. metrics.json keeps what training wrote (``train``, ``data``) and adds ``eval``;
+report.md's tables are rendered from exactly those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from qwenft.config import Config
+from qwenft.train import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SIDES = ("base", "tuned", "delta")
+
+
+def _fmt(value: Any, signed: bool = False) -> str:
+    if not isinstance(value, (int, float)):
+        return "" if value is None else str(value)
+    if isinstance(value, int) and not signed:
+        return str(value)
+    return f"{value:+.3f}" if signed else f"{value:.3f}"
+
+
+def metric_table(by_side: Dict[str, Dict[str, float]]) -> List[str]:
+    """Markdown rows ``| metric | base | tuned | delta |`` for one source (missing sides left blank)."""
+    sides = [s for s in SIDES if s in by_side]
+    names = [k for k in next(iter(by_side.values())) if k != "rows"]
+    lines = ["| metric | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+    for name in names:
+        cells = [_fmt(by_side[s].get(name), signed=s == "delta") for s in sides]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plot_loss(train: Dict[str, Any], path: Path) -> Optional[Path]:
+    curve = train.get("loss_curve") or []
+    if not curve:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([p["step"] for p in curve], [p["loss"] for p in curve], label="train loss")
+    evals = train.get("eval_curve") or []
+    if evals:
+        ax.plot([p["step"] for p in evals], [p["eval_loss"] for p in evals], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save_figure(fig, path)
+
+
+def _plot_metrics(sources: Dict[str, Dict[str, Dict[str, float]]], metrics: List[str], path: Path) -> Optional[Path]:
+    bars = [(f"{src}\n{m}", by.get("base", {}).get(m), by.get("tuned", {}).get(m))
+            for src, by in sources.items() for m in metrics if m in by.get("base", by.get("tuned", {}))]
+    if not bars:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(bars)), 3.5))
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], width=0.4, label="base")
+    ax.bar([x + 0.2 for x in xs], [b[2] or 0 for b in bars], width=0.4, label="tuned")
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    return _save_figure(fig, path)
+
+
+def _save_figure(fig, path: Path) -> Path:
+    import os
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path]) -> str:
+    """report.md as text: model, tables per source, perplexity, plots and side-by-side samples."""
+    ev = metrics["eval"]
+    lines = [f"# qwenft report: {config.run_name}", "",
+             f"- model: `{config.model.name}` ({config.model.source}, quant={config.quant.method})",
+             f"- adapter: `{config.adapter or (Path(config.out_dir) / 'adapter')}`",
+             f"- LoRA: r={config.lora.r}, lora_alpha={config.lora.lora_alpha}, "
+             f"targets={','.join(config.lora.target_modules)}",
+             f"- sampler for evaluation: preset `{config.eval.generate}`", ""]
+    train = metrics.get("train")
+    if train:
+        lines += ["## Training", "",
+                  f"{train['global_step']} steps, final train loss {_fmt(train.get('final_loss'))}, "
+                  f"{train.get('train_tokens')} tokens in {train.get('train_seconds')} s "
+                  f"({train.get('tokens_per_s')} tokens/s).", ""]
+        if "loss" in plots:
+            lines += [f"![loss curve]({plots['loss'].name})", ""]
+    lines += ["## Generation metrics (held-out prompts)", ""]
+    for source, by_side in ev["sources"].items():
+        lines += [f"### {source} ({next(iter(by_side.values())).get('rows', 0)} prompts)", ""]
+        lines += metric_table(by_side) + [""]
+    if "metrics" in plots:
+        lines += [f"![metrics]({plots['metrics'].name})", ""]
+    if ev["perplexity"]:
+        lines += ["## Perplexity (lower is better; answers: supervised tokens only)", "",
+                  "| text | tokens | base | tuned | tuned / base |", "|---|---|---|---|---|"]
+        for name, by_side in ev["perplexity"].items():
+            tokens = next(iter(v for k, v in by_side.items() if k != "ratio"))["tokens"]
+            lines.append(f"| {name} | {tokens} | {_fmt(by_side.get('base', {}).get('perplexity'))} | "
+                         f"{_fmt(by_side.get('tuned', {}).get('perplexity'))} | {_fmt(by_side.get('ratio'))} |")
+        lines.append("")
+    n = config.eval.samples_in_report
+    if n:
+        lines += ["## Samples", ""]
+        for source, source_rows in rows.items():
+            for row in source_rows[:n]:
+                lines += [f"**{source} row {row.get('row')}**: {_one_line(row['prompt'])}", "",
+                          f"- reference: {_one_line(row['reference'])}"]
+                for side in ("base", "tuned"):
+                    if side in row:
+                        lines.append(f"- {side} ({row[side]['stop_reason']}): {_one_line(row[side]['text'])}")
+                lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
+def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict[str, Any]:
+    """Write metrics.json (merged with training's), generations.jsonl, report.md and PNGs into ``out_dir``.
+
+    Returns:
+        The full metrics dict written to metrics.json.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.json"
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    metrics["eval"] = {"sources": report["sources"], "perplexity": report["perplexity"]}
+    atomic_write_text(path, json.dumps(metrics, indent=2, ensure_ascii=False))
+    lines = [json.dumps(row, ensure_ascii=False) for rows in report["rows"].values() for row in rows]
+    atomic_write_text(out_dir / "generations.jsonl", "".join(line + "\n" for line in lines))
+    plots = {}
+    if metrics.get("train") and _plot_loss(metrics["train"], out_dir / "loss_curve.png"):
+        plots["loss"] = out_dir / "loss_curve.png"
+    if _plot_metrics(report["sources"], config.eval.metrics, out_dir / "metrics.png"):
+        plots["metrics"] = out_dir / "metrics.png"
+    atomic_write_text(out_dir / "report.md", render_report(config, metrics, report["rows"], plots))
+    _log_wandb(config, metrics, report)
+    log.info("evaluation written to %s", out_dir / "report.md")
+    return metrics
+
+
+def _log_wandb(config: Config, metrics: Dict[str, Any], report: Dict[str, Any]) -> None:
+    if config.logger != "wandb":
+        return
+    import wandb
+
+    if wandb.run is None:
+        return
+    table = wandb.Table(columns=["source", "metric", "base", "tuned", "delta"])
+    for source, by_side in report["sources"].items():
+        for name in by_side.get("base", by_side.get("tuned", {})):
+            table.add_data(source, name, *(by_side.get(s, {}).get(name) for s in SIDES))
+    wandb.log({"eval/report": table})

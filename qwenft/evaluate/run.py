@@ -1,0 +1,193 @@
+"""Base vs tuned evaluation: generation metrics per source and perplexity, in one process.
+
+The same loaded base serves both sides: the adapter is disabled (``PeftModel.disable_adapter()``) for
+"base" and enabled for "tuned", so nothing is loaded twice. Prompts are built with
+:func:`qwenft.data.prompt_ids`, token for token the prefix the trainer supervised after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List
+
+from omegaconf import OmegaConf
+
+from qwenft.config import Config, ConfigError, GenerateConfig
+from qwenft.evaluate.metrics import distinct_n, score
+from qwenft.evaluate.perplexity import perplexity_of_ids, perplexity_of_labels
+
+log = logging.getLogger(__name__)
+
+GENERATE_PRESETS = Path(__file__).resolve().parents[2] / "conf" / "generate"
+
+
+def generate_preset(config: Config) -> GenerateConfig:
+    """The sampler settings for evaluation: the ``eval.generate`` preset, then ``eval.max_new_tokens``.
+
+    Raises:
+        ConfigError: no preset of that name under conf/generate/.
+    """
+    path = GENERATE_PRESETS / f"{config.eval.generate}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in GENERATE_PRESETS.glob("*.yaml")))
+        raise ConfigError(f"eval.generate={config.eval.generate!r} is not accepted; choose one of: {names}")
+    merged = OmegaConf.merge(OmegaConf.structured(GenerateConfig), OmegaConf.load(path))
+    preset = OmegaConf.to_object(merged)
+    if config.eval.max_new_tokens is not None:
+        preset = dataclasses.replace(preset, max_new_tokens=config.eval.max_new_tokens)
+    return dataclasses.replace(preset, batch_size=config.eval.batch_size)
+
+
+@contextlib.contextmanager
+def adapter_state(model, enabled: bool):
+    """Run the block with the LoRA adapter of a PEFT model disabled (``enabled=False``) or as it is."""
+    if enabled or not hasattr(model, "disable_adapter"):
+        yield
+    else:
+        with model.disable_adapter():
+            yield
+
+
+def generation_eval(model, tokenizer, config: Config, rows: List[dict], settings: GenerateConfig,
+                    label: str) -> List[dict]:
+    """Generate an answer for every held-out row (batched) and score it against the reference.
+
+    Returns:
+        One dict per row: ``text``, ``stop_reason``, ``tokens`` (answer length) and the metric values.
+    """
+    from tqdm.auto import tqdm
+
+    from qwenft.data import prompt_ids
+    from qwenft.generation import Sampler
+
+    sampler = Sampler(model, tokenizer, settings)
+    results: List[dict] = []
+    prompts = [prompt_ids(tokenizer, row["messages"], config.data.system_prompt) for row in rows]
+    batches = range(0, len(prompts), settings.batch_size)
+    for start in tqdm(batches, desc=f"generate ({label})", unit="batch", leave=False):
+        out = sampler.generate(prompts[start:start + settings.batch_size])
+        for row, seq in zip(rows[start:start + settings.batch_size], out.sequences):
+            reference = row["messages"][-1]["content"]
+            results.append({"text": seq.text, "stop_reason": seq.stop_reason, "tokens": len(seq.token_ids),
+                            **score(seq.text, reference, config.eval.metrics)})
+    return results
+
+
+def summarise(results: List[dict], metrics: List[str]) -> Dict[str, float]:
+    """Means of the per-row metrics, mean answer length (tokens), stop rate and distinct-2."""
+    if not results:
+        return {}
+    n = len(results)
+    summary = {name: sum(r[name] for r in results) / n for name in metrics}
+    summary["answer_tokens"] = sum(r["tokens"] for r in results) / n
+    summary["stop_rate"] = sum(r["stop_reason"] != "length" for r in results) / n  # ended by EOS / stop string
+    summary["distinct_2"] = distinct_n([r["text"] for r in results], 2)
+    summary["rows"] = n
+    return summary
+
+
+def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str, Any]]:
+    """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers."""
+    from qwenft.data import encode_example, resolve_path
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for source in config.eval.ppl_sources:
+        path = resolve_path(source)
+        ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+        ids = ids[:config.eval.ppl_max_tokens]
+        result = perplexity_of_ids(model, [ids], window=config.eval.ppl_window, stride=config.eval.ppl_stride,
+                                   batch_size=config.eval.batch_size, pad_id=tokenizer.pad_token_id, progress=True)
+        out[f"text:{path.name}"] = result.as_dict()
+    for name, rows in (bundle.eval_rows if bundle is not None else {}).items():
+        examples = []
+        for row in rows:
+            enc = encode_example(tokenizer, row["messages"], max_seq_len=config.data.max_seq_len,
+                                 train_on=config.data.train_on, system_prompt=config.data.system_prompt)
+            examples.append((enc["input_ids"], enc["labels"]))
+        result = perplexity_of_labels(model, examples, batch_size=config.eval.batch_size,
+                                      pad_id=tokenizer.pad_token_id, progress=True)
+        out[f"answers:{name}"] = result.as_dict()
+    return out
+
+
+def check_ppl_sources(config: Config) -> None:
+    """Fail before any model is loaded when an ``eval.ppl_sources`` file is missing."""
+    from qwenft.data import resolve_path
+
+    for i, source in enumerate(config.eval.ppl_sources):
+        if not resolve_path(source).is_file():
+            raise ConfigError(f"eval.ppl_sources[{i}]={source!r}: no such file")
+
+
+def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict[str, Any]:
+    """Evaluate ``sides`` (``base`` and/or ``tuned``) of ``model`` on the bundle's held-out rows.
+
+    Returns:
+        ``{"sources": {name: {side: summary}}, "perplexity": {name: {side: {...}}}, "rows": {name: [...]}}``.
+    """
+    settings = generate_preset(config)
+    model.eval()
+    model.config.use_cache = True  # training switched the cache off
+    limit = config.eval.max_eval_prompts
+    eval_rows = {name: rows[:limit] for name, rows in (bundle.eval_rows if bundle is not None else {}).items()}
+    report: Dict[str, Any] = {"sources": {}, "perplexity": {}, "rows": {}}
+    for side in sides:
+        with adapter_state(model, enabled=side == "tuned"):
+            for name, rows in eval_rows.items():
+                results = generation_eval(model, tokenizer, config, rows, settings, f"{side}, {name}")
+                report["sources"].setdefault(name, {})[side] = summarise(results, config.eval.metrics)
+                report["rows"].setdefault(name, [{} for _ in rows])
+                for slot, result in zip(report["rows"][name], results):
+                    slot[side] = result
+            for name, value in perplexities(model, tokenizer, config, bundle).items():
+                report["perplexity"].setdefault(name, {})[side] = value
+        log.info("evaluated %s", side)
+    for name, by_side in report["sources"].items():
+        if "base" in by_side and "tuned" in by_side:
+            by_side["delta"] = {k: by_side["tuned"][k] - by_side["base"][k] for k in by_side["base"]
+                                if isinstance(by_side["base"][k], (int, float)) and k != "rows"}
+    for name, by_side in report["perplexity"].items():
+        if "base" in by_side and "tuned" in by_side:
+            by_side["ratio"] = by_side["tuned"]["perplexity"] / by_side["base"]["perplexity"]
+    for name, rows in eval_rows.items():
+        for slot, row in zip(report["rows"][name], rows):
+            slot.update({"source": name, "row": row.get("row"), "prompt": row["messages"][-2]["content"]
+                         if len(row["messages"]) > 1 else "", "reference": row["messages"][-1]["content"]})
+    return report
+
+
+def run_after_train(config: Config, model, tokenizer, bundle) -> Dict[str, Any]:
+    """Evaluate base (adapter off) and tuned (adapter on) and write metrics.json, generations.jsonl, report.md."""
+    from qwenft.evaluate.report import write_outputs
+
+    report = evaluate(model, tokenizer, config, bundle, ["base", "tuned"])
+    return write_outputs(config, Path(config.out_dir), report)
+
+
+def eval_command(config: Config) -> None:
+    """``qwenft eval [adapter=PATH]``: evaluate the base, and the tuned model when an adapter is given."""
+    from qwenft import data as data_lib
+    from qwenft.evaluate.report import write_outputs
+    from qwenft.model import load_adapter, load_model, read_adapter_meta
+
+    generate_preset(config)
+    check_ppl_sources(config)
+    if config.adapter and not (Path(config.adapter) / "adapter_config.json").is_file():
+        raise ConfigError(f"adapter={config.adapter!r}: no adapter_config.json there; an adapter directory is "
+                          "written by `python -m qwenft train` (<run dir>/adapter)")
+    if config.adapter and read_adapter_meta(config.adapter):
+        log.info("adapter trained on %s", read_adapter_meta(config.adapter).get("model", {}).get("name"))
+    model, tokenizer = load_model(config)
+    bundle = data_lib.build(config, tokenizer) if config.data.sources else None
+    sides = ["base"]
+    if config.adapter:
+        model = load_adapter(model, config.adapter)
+        sides.append("tuned")
+    report = evaluate(model, tokenizer, config, bundle, sides)
+    write_outputs(config, Path(config.out_dir), report)
+    print(f"report: {Path(config.out_dir) / 'report.md'}")
+

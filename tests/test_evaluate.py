@@ -1,0 +1,84 @@
+"""Base-vs-tuned evaluation end to end on tiny-random: files written, metrics.json equals the report."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.test_train import run_cli, train_overrides
+
+
+def report_table(report: str, source: str) -> dict:
+    """Parse the ``| metric | base | tuned | delta |`` table of ``source`` from report.md."""
+    section = report.split(f"### {source} ")[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in section.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = [float(c) for c in cells[1:]]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    run_dir = tmp / "run"
+    args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
+    result = run_cli([*args, "train.max_steps=3", "eval.max_new_tokens=8", "eval.batch_size=3",
+                      "eval.samples_in_report=2", f"eval.ppl_sources=[{tmp / 'rows.jsonl'}]", "eval.ppl_window=64",
+                      "eval.ppl_stride=32"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "report.md" in result.stdout
+    return tmp, run_dir
+
+
+def test_train_writes_the_full_run_directory(trained_run):
+    _, run_dir = trained_run
+    for name in ("config.yaml", "metrics.json", "generations.jsonl", "report.md", "loss_curve.png", "metrics.png",
+                 "adapter/adapter_model.safetensors", ".hydra/config.yaml", "train.log"):
+        assert (run_dir / name).is_file(), name
+    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 4  # eval_rows: 4 held out
+    for row in rows:
+        assert {"source", "prompt", "reference", "base", "tuned"} <= set(row)
+        assert row["base"]["stop_reason"] in ("eos", "stop_string", "length")
+
+
+def test_metrics_json_matches_report(trained_run):
+    _, run_dir = trained_run
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["train"]["global_step"] == 3
+    toy = metrics["eval"]["sources"]["toy"]
+    table = report_table((run_dir / "report.md").read_text(), "toy")
+    for name, (base, tuned, delta) in table.items():
+        assert base == pytest.approx(toy["base"][name], abs=5e-4)  # the report prints 3 decimals
+        assert tuned == pytest.approx(toy["tuned"][name], abs=5e-4)
+        assert delta == pytest.approx(toy["tuned"][name] - toy["base"][name], abs=1e-3)
+    ppl = metrics["eval"]["perplexity"]
+    assert set(ppl) == {"text:rows.jsonl", "answers:toy"}
+    for value in ppl.values():
+        assert value["base"]["tokens"] == value["tuned"]["tokens"] > 0
+        assert value["ratio"] == pytest.approx(value["tuned"]["perplexity"] / value["base"]["perplexity"])
+
+
+def test_eval_command_with_adapter(trained_run):
+    tmp, run_dir = trained_run
+    out = tmp / "eval-run"
+    args = [a for a in train_overrides(tmp, out) if a.split("=")[0].split(".")[0] in ("model", "quant", "out_dir",
+                                                                                        "data")]
+    env_args = [*args, f"adapter={run_dir / 'adapter'}", "eval.max_new_tokens=8"]
+    from tests.test_config import run_cli as run_any
+
+    result = run_any("eval", *env_args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["eval"]["sources"]["toy"]) == {"base", "tuned", "delta"}
+    assert re.search(r"\| exact_match_number \|", (out / "report.md").read_text())
+
+
+def test_eval_refuses_a_missing_adapter(tmp_path):
+    from tests.test_config import run_cli as run_any
+
+    result = run_any("eval", "model=tiny-random", f"adapter={tmp_path}/none", f"out_dir={tmp_path}/x")
+    assert result.returncode == 2 and "adapter_config.json" in result.stderr
