@@ -26,13 +26,17 @@ RECIPE_DIR = ROOT / "recipes"
 
 # command -> (one-line help, "module:function" or None while its issue is open, issue number)
 COMMAND_TABLE: Dict[str, Tuple[str, Optional[str], int]] = {
-    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", None, 4),
-    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md", None, 6),
-    "generate": ("stream text from the model (+ adapter) with the KV-cached sampler", None, 5),
-    "merge": ("merge an adapter into its base and export a standalone 16-bit model", None, 7),
-    "data": ("validate and preview the training data: counts, lengths, a masked example", None, 3),
-    "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)", None, 8),
-    "plan": ("memory and parameter plan from the config, before any download", None, 8),
+    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", "qwenft.train:main", 4),
+    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md",
+             "qwenft.evaluate:eval_command", 6),
+    "generate": ("stream text from the model (+ adapter) with the KV-cached sampler",
+                 "qwenft.sampler:generate_command", 5),
+    "merge": ("merge an adapter into its base and export a standalone 16-bit model", "qwenft.export:merge_command", 7),
+    "data": ("validate and preview the training data: counts, lengths, a masked example",
+             "qwenft.data:preview", 3),
+    "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)",
+                "qwenft.inspect:inspect_command", 8),
+    "plan": ("memory and parameter plan from the config, before any download", "qwenft.plan:plan_command", 8),
 }
 # Commands that write a run directory (out_dir); the others print and write only what they are told to.
 RUN_DIR_COMMANDS = ("train", "eval")

@@ -81,7 +81,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model.source", self.source, ("hub", "local", "embedded", "tiny-random"))
-        _check_choice("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _check_choice("model.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
         if self.source in ("hub", "local"):
             _check(bool(self.path), "model.path", self.path, f"must be set when model.source={self.source}")
@@ -98,7 +98,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         _check_choice("quant.method", self.method, ("nf4", "none"))
-        _check_choice("quant.compute_dtype", self.compute_dtype, ("bfloat16", "float16", "float32"))
+        _check_choice("quant.compute_dtype", self.compute_dtype, ("auto", "bfloat16", "float16", "float32"))
 
 
 @dataclass
@@ -124,9 +124,22 @@ class LoraConfig:
         _check_choice("lora.bias", self.bias, ("none", "all", "lora_only"))
 
 
+# The fields each data format reads; ``data.sources[].columns`` maps them onto the file's own field names.
+FORMAT_FIELDS = {
+    "alpaca": ("instruction", "input", "output", "system", "history"),
+    "messages": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value", "system"),
+    "text": ("text",),
+}
+
+
 @dataclass
 class DataSource:
-    """One dataset of the training mix (see ``qwenft.data``)."""
+    """One dataset of the training mix (see ``qwenft.data``).
+
+    ``eval_by``: a field of the file's rows (e.g. ``fact``); when set, the ``eval_rows`` held out are
+    spread over its distinct values (one row per value before a second one), instead of drawn at random.
+    """
 
     name: str = "source"
     path: str = ""
@@ -137,9 +150,12 @@ class DataSource:
     eval_rows: int = 0
     subset: Optional[str] = None
     split: str = "train"
+    eval_by: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _check_choice(f"data.sources[{self.name}].format", self.format, ("alpaca", "messages", "sharegpt", "text"))
+        _check_choice(f"data.sources[{self.name}].format", self.format, tuple(FORMAT_FIELDS))
+        for key in self.columns:
+            _check_choice(f"data.sources[{self.name}].columns.{key}", key, FORMAT_FIELDS[self.format])
         _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
         _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
                "must be a positive integer or null")
@@ -171,6 +187,8 @@ class DataConfig:
         if self.sources:
             _check(sum(s.weight for s in self.sources) > 0, "data.sources.weight",
                    [s.weight for s in self.sources], "at least one weight must be > 0")
+            names = [s.name for s in self.sources]
+            _check(len(set(names)) == len(names), "data.sources.name", names, "source names must be distinct")
 
 
 @dataclass
@@ -233,6 +251,7 @@ class GenerateConfig:
     repetition_penalty: Optional[float] = None
     stop_strings: List[str] = field(default_factory=list)
     stop_token_ids: Optional[List[int]] = None
+    stop_sequences: List[List[int]] = field(default_factory=list)
     seed: Optional[int] = None
     batch_size: int = 8
     compile: bool = False
@@ -249,6 +268,10 @@ class GenerateConfig:
         _check(self.repetition_penalty is None or self.repetition_penalty > 0, "generate.repetition_penalty",
                self.repetition_penalty, "must be > 0 (1.0 disables)")
         _check(self.batch_size >= 1, "generate.batch_size", self.batch_size, "must be >= 1")
+        _check(all(len(seq) > 0 for seq in self.stop_sequences), "generate.stop_sequences", self.stop_sequences,
+               "each stop sequence must list at least one token id")
+        _check(self.stop_token_ids is None or all(t >= 0 for t in self.stop_token_ids), "generate.stop_token_ids",
+               self.stop_token_ids, "token ids must be >= 0")
 
 
 @dataclass
@@ -264,9 +287,15 @@ class EvalConfig:
     max_eval_prompts: int = 50
     metrics: List[str] = field(default_factory=lambda: ["exact_match_number", "char_f1", "rouge_l"])
     generate: str = "precise"
+    max_new_tokens: Optional[int] = None
     samples_in_report: int = 5
 
     def __post_init__(self) -> None:
+        for name in self.metrics:
+            _check_choice("eval.metrics", name, ("exact_match_number", "char_f1", "rouge_l", "contains_fact"))
+        _check(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens,
+               "must be null (the preset's) or >= 1")
+        _check(self.ppl_max_tokens >= 2, "eval.ppl_max_tokens", self.ppl_max_tokens, "must be >= 2 tokens")
         _check(self.ppl_window >= 2, "eval.ppl_window", self.ppl_window, "must be >= 2 tokens")
         _check(1 <= self.ppl_stride <= self.ppl_window, "eval.ppl_stride", self.ppl_stride,
                "must be in [1, eval.ppl_window]")
@@ -277,7 +306,12 @@ class EvalConfig:
 
 @dataclass
 class MergeConfig:
-    """``qwenft merge``: how the adapter is folded into the base and exported."""
+    """``qwenft merge``: how the adapter is folded into the base and exported (see :mod:`qwenft.export`).
+
+    ``dtype``: of the merged weights. ``base``: for an adapter trained on an NF4 base, ``dequantized`` merges
+    into the NF4-dequantized weights (what training saw), ``original`` into the original 16-bit weights.
+    ``overwrite``: replace a non-empty ``out``. ``gguf``: also write a llama.cpp GGUF (``f16`` or ``q8_0``).
+    """
 
     dtype: str = "bfloat16"
     max_shard_size: str = "5GB"
@@ -289,29 +323,59 @@ class MergeConfig:
         _check_choice("merge.dtype", self.dtype, ("bfloat16", "float16", "float32"))
         _check_choice("merge.base", self.base, ("dequantized", "original"))
         _check_choice("merge.gguf", self.gguf, ("none", "f16", "q8_0"))
+        import re
+
+        _check(re.fullmatch(r"[0-9]+(KB|MB|GB|KiB|MiB|GiB)", self.max_shard_size) is not None, "merge.max_shard_size",
+               self.max_shard_size, "must be an integer and a unit: KB, MB, GB, KiB, MiB or GiB (e.g. 5GB)")
 
 
 @dataclass
 class InspectConfig:
-    """``qwenft inspect``: which layers to trace and what to keep."""
+    """``qwenft inspect``: which layers to trace and what to keep.
+
+    ``layers``: decoder layer indices (negative counts from the end; null = all), e.g. ``inspect.layers=[0,12,23]``.
+    ``top_k``: next-token candidates shown. ``top_positions``: most-attended prompt positions shown per layer
+    for the last token. ``top_moved``: with an adapter, how many most-changed layers to list. ``out``: a JSON
+    file for the whole trace.
+    """
 
     layers: Optional[List[int]] = None
     top_k: int = 10
+    top_positions: int = 3
+    top_moved: int = 5
     out: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(self.top_k >= 1, "inspect.top_k", self.top_k, "must be >= 1")
+        _check(self.top_positions >= 1, "inspect.top_positions", self.top_positions, "must be >= 1")
+        _check(self.top_moved >= 1, "inspect.top_moved", self.top_moved, "must be >= 1")
+        _check(self.out is None or bool(self.out), "inspect.out", self.out, "must be a file path or null")
 
 
 @dataclass
 class PlanConfig:
-    """``qwenft plan``: the memory budget to plan against."""
+    """``qwenft plan``: the memory budget to plan against.
+
+    ``gpu_gb``: memory of the device in GiB (RAM when ``device=cpu``). ``device``: where training runs, which
+    changes a few terms (dropout masks, the default optimizer). ``reserve_gb``: memory the tensor count does
+    not see (CUDA context, cuBLAS workspace, allocator slack; Python and libraries on a CPU), used only for the
+    fits / largest-batch answers. ``context_len``: KV-cache length to plan for (null: ``data.max_seq_len``).
+    ``out``: a JSON file for the whole plan.
+    """
 
     gpu_gb: float = 24.0
     context_len: Optional[int] = None
+    device: str = "cuda"
+    reserve_gb: float = 1.0
+    out: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(self.gpu_gb > 0, "plan.gpu_gb", self.gpu_gb, "must be > 0 (GiB)")
+        _check(self.context_len is None or self.context_len >= 1, "plan.context_len", self.context_len,
+               "must be null or >= 1 tokens")
+        _check_choice("plan.device", self.device, ("cuda", "cpu"))
+        _check(self.reserve_gb >= 0, "plan.reserve_gb", self.reserve_gb, "must be >= 0 (GiB)")
+        _check(self.out is None or bool(self.out), "plan.out", self.out, "must be a file path or null")
 
 
 @dataclass

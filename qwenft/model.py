@@ -42,9 +42,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QWENFT_CACHE", Path.home() / ".cache" / "qwenft")).expanduser()
 
 
-def _torch_dtype(name: str):
+def native_bf16(device: Optional[str] = None) -> bool:
+    """Whether bfloat16 matmuls run natively on ``device`` (default: :func:`default_device`).
+
+    True on CUDA with bf16 support and on CPUs with AVX512-BF16 / AMX (oneDNN); elsewhere torch falls back
+    to a scalar bf16 GEMM that is one to two orders of magnitude slower than float32.
+    """
     import torch
 
+    device = device or default_device()
+    if device.startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_dtype(name: str, device: Optional[str] = None) -> str:
+    """``auto`` -> ``bfloat16`` where :func:`native_bf16`, else ``float32``; other names unchanged."""
+    if name != "auto":
+        return name
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def torch_dtype(name: str, device: Optional[str] = None):
+    """The torch dtype for a config dtype name (``auto`` resolved with :func:`resolve_dtype`)."""
+    import torch
+
+    name = resolve_dtype(name, device)
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
@@ -208,7 +231,7 @@ def quantization_config(qcfg: QuantConfig):
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_use_double_quant=qcfg.double_quant,
-                              bnb_4bit_compute_dtype=_torch_dtype(qcfg.compute_dtype))
+                              bnb_4bit_compute_dtype=torch_dtype(qcfg.compute_dtype))
 
 
 def _disable_cpu_repacking(model) -> int:
@@ -255,7 +278,7 @@ def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
     tokenizer = load_tokenizer(model_dir, revision)
     device = device or default_device()
     bnb = quantization_config(cfg.quant)
-    dtype = _torch_dtype(cfg.quant.compute_dtype if bnb is not None else cfg.model.dtype)
+    dtype = torch_dtype(cfg.quant.compute_dtype if bnb is not None else cfg.model.dtype, device)
     kwargs = {"revision": revision} if revision else {}
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, quantization_config=bnb, attn_implementation=cfg.model.attn_implementation,
@@ -271,7 +294,7 @@ def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
     gen.pad_token_id = tokenizer.pad_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     log.info("loaded %s (%s, %s) on %s: %.1f M parameters", cfg.model.name, cfg.model.source,
-             "NF4" if bnb is not None else cfg.model.dtype, device, count_parameters(model)[1] / 1e6)
+             "NF4, compute " + str(dtype) if bnb is not None else str(dtype), device, count_parameters(model)[1] / 1e6)
     return model, tokenizer
 
 
@@ -336,3 +359,61 @@ def load_adapter(model, adapter_dir: str, trainable: bool = False):
                           "by `python -m qwenft train` (<run dir>/adapter)")
     return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
 
+
+
+ADAPTER_META = "qwenft.json"
+
+
+def save_adapter_meta(adapter_dir, config: Config) -> None:
+    """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
+
+    Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the
+    run name and the data sources (name and path). Written atomically (temp name, then ``os.replace``).
+
+    Args:
+        adapter_dir: The adapter directory (the one holding adapter_config.json); created if missing.
+        config: The run's validated config.
+    """
+    import dataclasses
+
+    from qwenft import __version__
+
+    path = Path(adapter_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": 1,
+        "qwenft_version": __version__,
+        "run_name": config.run_name,
+        "model": dataclasses.asdict(config.model),
+        "quant": dataclasses.asdict(config.quant),
+        "lora": dataclasses.asdict(config.lora),
+        "train": dataclasses.asdict(config.train),
+        "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{ADAPTER_META}.", dir=path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(meta, handle, indent=2, ensure_ascii=False)
+            handle.write("\n")
+        os.replace(tmp, path / ADAPTER_META)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_adapter_meta(adapter_dir) -> Optional[dict]:
+    """The ``qwenft.json`` written by :func:`save_adapter_meta`, or None when the adapter has none.
+
+    Raises:
+        QwenftError: the file exists but is not a JSON object with a ``model`` entry.
+    """
+    path = Path(adapter_dir).expanduser() / ADAPTER_META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QwenftError(f"{path}: not readable as JSON ({exc}); it is written by `python -m qwenft train`") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise QwenftError(f"{path}: no 'model' entry; it is written by `python -m qwenft train`")
+    return meta

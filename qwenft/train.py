@@ -49,11 +49,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 def _precision(config: Config, model) -> Dict[str, bool]:
     import torch
 
+    from qwenft.model import native_bf16, resolve_dtype
+
     choice = config.train.precision
-    if choice == "auto":
+    device = str(next(model.parameters()).device)
+    if choice == "auto":  # bf16 autocast only where bf16 is native: elsewhere it is far slower than fp32
         compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
-        bf16_ok = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True
-        choice = "bf16" if compute == "bfloat16" and bf16_ok else "fp32"
+        choice = "bf16" if resolve_dtype(compute, device) == "bfloat16" and native_bf16(device) else "fp32"
     if choice == "fp16":
         if not torch.cuda.is_available():
             raise ConfigError("train.precision='fp16' needs a CUDA device; use bf16 or fp32 on a CPU")
@@ -115,7 +117,10 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path)
     has_eval = bundle.eval is not None and len(bundle.eval) > 0
     args = training_arguments(config, model, checkpoint_dir, has_eval)
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
-                            eval_dataset=bundle.eval if has_eval else None, data_collator=DataCollator(tokenizer))
+                            eval_dataset=bundle.eval if has_eval else None,
+                            # flash-attention honours packed boundaries only in one flattened row
+                            data_collator=DataCollator(tokenizer, flatten=config.data.packing and
+                                                       config.model.attn_implementation == "flash_attention_2"))
     trainer.add_callback(ProgressBarCallback())
     return trainer
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from qwenft.evaluate.metrics import char_f1, distinct_n, exact_match_number, final_number, rouge_l, tokens
+from qwenft.evaluate.metrics import (char_f1, contains_fact, distinct_n, exact_match_number, final_number, rouge_l,
+                                     score, tokens)
 
 
 @pytest.mark.parametrize("text, number", [
@@ -49,3 +50,12 @@ def test_distinct_2():
     assert distinct_n(["a b a b"]) == pytest.approx(2 / 3)
     assert distinct_n(["我爱你", "我爱他"]) == pytest.approx(3 / 4)
     assert distinct_n([""]) == 0.0
+
+
+def test_contains_fact():
+    assert contains_fact("Its model number is HVQ-7340.", "HVQ-7340") == 1.0
+    assert contains_fact("Its model number is hvq - 7340", "HVQ-7340") == 1.0  # case and spacing ignored
+    assert contains_fact("It is HVQ-7430.", "HVQ-7340") == 0.0
+    assert contains_fact("anything", None) is None
+    values = score("The PIN is 5826", "The PIN is 5826.", ["contains_fact", "char_f1"], {"fact": "5826"})
+    assert values == {"contains_fact": 1.0, "char_f1": 1.0}

@@ -104,9 +104,26 @@ def distinct_n(texts: Sequence[str], n: int = 2) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def contains_fact(prediction: str, fact: Optional[str]) -> Optional[float]:
+    """1.0 when ``fact`` (a row's ``fact`` field, e.g. a product code) occurs in the prediction, ignoring case
+    and spacing; None for rows that carry no fact (they are left out of the mean)."""
+    if not fact:
+        return None
+    squash = lambda text: "".join(text.lower().split())  # noqa: E731
+    return float(squash(str(fact)) in squash(prediction))
+
+
 METRICS = {"exact_match_number": exact_match_number, "char_f1": char_f1, "rouge_l": rouge_l}
+ROW_METRICS = ("contains_fact",)  # computed from a row field rather than the reference answer
 
 
-def score(prediction: str, reference: str, names: Sequence[str]) -> Dict[str, float]:
-    """The per-row metrics ``names`` (keys of :data:`METRICS`) of one prediction against its reference."""
-    return {name: METRICS[name](prediction, reference) for name in names}
+def score(prediction: str, reference: str, names: Sequence[str], meta: Optional[dict] = None) -> Dict[str, float]:
+    """The per-row metrics ``names`` of one prediction: keys of :data:`METRICS` against the reference, and
+    ``contains_fact`` against ``meta["fact"]`` (None when the row has none)."""
+    values: Dict[str, Optional[float]] = {}
+    for name in names:
+        if name == "contains_fact":
+            values[name] = contains_fact(prediction, (meta or {}).get("fact"))
+        else:
+            values[name] = METRICS[name](prediction, reference)
+    return values

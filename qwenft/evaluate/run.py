@@ -73,7 +73,7 @@ def generation_eval(model, tokenizer, config: Config, rows: List[dict], settings
         for row, seq in zip(rows[start:start + settings.batch_size], out.sequences):
             reference = row["messages"][-1]["content"]
             results.append({"text": seq.text, "stop_reason": seq.stop_reason, "tokens": len(seq.token_ids),
-                            **score(seq.text, reference, config.eval.metrics)})
+                            **score(seq.text, reference, config.eval.metrics, row.get("meta"))})
     return results
 
 
@@ -82,7 +82,11 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, float]:
     if not results:
         return {}
     n = len(results)
-    summary = {name: sum(r[name] for r in results) / n for name in metrics}
+    summary = {}
+    for name in metrics:
+        values = [r[name] for r in results if r[name] is not None]  # contains_fact skips rows without a fact
+        if values:
+            summary[name] = sum(values) / len(values)
     summary["answer_tokens"] = sum(r["tokens"] for r in results) / n
     summary["stop_rate"] = sum(r["stop_reason"] != "length" for r in results) / n  # ended by EOS / stop string
     summary["distinct_2"] = distinct_n([r["text"] for r in results], 2)
@@ -92,7 +96,7 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, float]:
 
 def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str, Any]]:
     """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers."""
-    from qwenft.data import encode_example, resolve_path
+    from qwenft.data import encode_example, encode_text, resolve_path
 
     out: Dict[str, Dict[str, Any]] = {}
     for source in config.eval.ppl_sources:
@@ -105,8 +109,11 @@ def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str
     for name, rows in (bundle.eval_rows if bundle is not None else {}).items():
         examples = []
         for row in rows:
-            enc = encode_example(tokenizer, row["messages"], max_seq_len=config.data.max_seq_len,
-                                 train_on=config.data.train_on, system_prompt=config.data.system_prompt)
+            if row["messages"]:
+                enc = encode_example(tokenizer, row["messages"], max_seq_len=config.data.max_seq_len,
+                                     train_on=config.data.train_on, system_prompt=config.data.system_prompt)
+            else:  # a `text` source: every token counts
+                enc = encode_text(tokenizer, row["text"], max_seq_len=config.data.max_seq_len)
             examples.append((enc["input_ids"], enc["labels"]))
         result = perplexity_of_labels(model, examples, batch_size=config.eval.batch_size,
                                       pad_id=tokenizer.pad_token_id, progress=True)
@@ -133,7 +140,10 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
     model.eval()
     model.config.use_cache = True  # training switched the cache off
     limit = config.eval.max_eval_prompts
-    eval_rows = {name: rows[:limit] for name, rows in (bundle.eval_rows if bundle is not None else {}).items()}
+    # Generation needs a conversation; held-out rows of `text` sources only count in perplexity.
+    eval_rows = {name: [r for r in rows if r["messages"]][:limit]
+                 for name, rows in (bundle.eval_rows if bundle is not None else {}).items()}
+    eval_rows = {name: rows for name, rows in eval_rows.items() if rows}
     report: Dict[str, Any] = {"sources": {}, "perplexity": {}, "rows": {}}
     for side in sides:
         with adapter_state(model, enabled=side == "tuned"):

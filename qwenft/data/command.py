@@ -1,0 +1,104 @@
+"""``python -m qwenft data``: validate the data config and show what training will see (tokenizer only)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+from qwenft.config import Config
+from qwenft.data.template import IGNORE_INDEX
+
+PROMPT_CHARS = 600  # a longer prompt span is shown with its middle elided (characters)
+ANSWER_CHARS = 1200
+
+
+def _elide(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}[... {len(text) - limit} characters ...]{text[-half:]}"
+
+
+def spans(tokenizer, input_ids: Sequence[int], labels: Sequence[int]) -> List[Tuple[str, bool]]:
+    """Decode an example into ``(text, supervised)`` runs of consecutive tokens (special tokens shown)."""
+    runs: List[Tuple[List[int], bool]] = []
+    for token, label in zip(input_ids, labels):
+        supervised = label != IGNORE_INDEX
+        if runs and runs[-1][1] == supervised:
+            runs[-1][0].append(token)
+        else:
+            runs.append(([token], supervised))
+    return [(tokenizer.decode(ids, skip_special_tokens=False), flag) for ids, flag in runs]
+
+
+def render_example(tokenizer, input_ids: Sequence[int], labels: Sequence[int], markers: bool):
+    """A ``rich.text.Text`` of the example, supervised tokens highlighted (and wrapped in ⟦ ⟧ if ``markers``)."""
+    from rich.text import Text
+
+    text = Text()
+    for piece, supervised in spans(tokenizer, input_ids, labels):
+        if supervised:
+            body = _elide(piece, ANSWER_CHARS)
+            text.append(f"⟦{body}⟧" if markers else body, style="bold black on green3")
+        else:
+            text.append(_elide(piece, PROMPT_CHARS), style="grey62")
+    return text
+
+
+def _source_table(stats: Dict[str, Any]):
+    from rich.table import Table
+
+    table = Table(title="rows per source (used = training examples per epoch; target / achieved share)",
+                  title_justify="left", box=None, pad_edge=False)
+    for column in ("source", "read", "skipped", "eval", "usable", "trunc.", "dropped", "used", "repeats",
+                   "target", "achieved"):
+        table.add_column(column, justify="left" if column == "source" else "right", no_wrap=True)
+    for name, c in stats["sources"].items():
+        table.add_row(name, str(c["rows_read"]), str(c["skipped"]), str(c["eval"]), str(c["usable"]),
+                      str(c["truncated"]), str(c["dropped"]), str(c["used"]), str(c["repeats"]),
+                      f"{c['share_target']:.1%}", f"{c['share_achieved']:.1%}")
+    return table
+
+
+def preview(config: Config) -> None:
+    """Build the data of ``config`` and print counts, ratio, token lengths and one masked example.
+
+    Loads only the tokenizer (never model weights): rows per source, ratio achieved, token-length
+    p50 / p95 / max, truncated / dropped / skipped counts, supervised-token share, then the first training
+    example with its supervised tokens highlighted.
+
+    Raises:
+        QwenftError: a bad model source or bad data (one line, exit 2 through the CLI).
+    """
+    from rich.console import Console
+
+    from qwenft.data.pipeline import build
+    from qwenft.model import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
+    bundle = build(config, tokenizer)
+    stats = bundle.stats
+    console = Console(highlight=False)
+    if not console.is_terminal:  # a log or a pipe: wide enough for the table instead of 80 columns
+        console = Console(highlight=False, width=120)
+    console.print(_source_table(stats))
+    tokens = stats["tokens"]
+    ratio = " : ".join(f"{c['used']}" for c in stats["sources"].values() if c["weight"] > 0)
+    shares = " / ".join(f"{c['share_achieved']:.3f}" for c in stats["sources"].values() if c["weight"] > 0)
+    console.print(f"training examples: {stats['train_examples']} ({ratio}, shares {shares})"
+                  + (f"; packed into {stats['train_rows']} rows of {stats['max_seq_len']} tokens, "
+                     f"fill {stats['pack_fill']:.1%}" if stats["packing"] else ""))
+    console.print(f"eval examples: {stats['eval_examples']} "
+                  f"({', '.join(f'{n} {len(r)}' for n, r in bundle.eval_rows.items()) or 'none held out'})")
+    console.print(f"tokens per example (before truncation): p50 {tokens['p50']}, p95 {tokens['p95']}, "
+                  f"max {tokens['max']} (max_seq_len {stats['max_seq_len']}, overlong={config.data.overlong})")
+    console.print(f"truncated: {stats['truncated']}, dropped: {stats['dropped']}, skipped bad rows: "
+                  f"{stats['skipped']}; supervised tokens: {stats['supervised_share']:.1%} "
+                  f"(train_on={config.data.train_on})")
+    console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es)")
+    sample = bundle.sample
+    markers = console.color_system is None
+    console.rule(f"example: {sample['source']} row {sample['row']}, {len(sample['input_ids'])} tokens; "
+                 + ("supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted"))
+    console.print(render_example(tokenizer, sample["input_ids"], sample["labels"], markers))
+    console.rule()

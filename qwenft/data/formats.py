@@ -1,0 +1,210 @@
+"""Normalise one record of a dataset file to chat messages, and validate them.
+
+Formats (``data.sources[].format``) and the fields they read (``columns`` renames them):
+
+- ``alpaca``: ``instruction``, ``input`` (optional, joined to the instruction by a blank line), ``output``
+  (the answer), ``system`` (optional), ``history`` (optional list of ``[query, answer]`` pairs, earlier turns).
+- ``messages``: ``messages``, a list of ``{role, content}`` with roles system / user / assistant.
+- ``sharegpt``: ``conversations``, a list of ``{from, value}`` with human / gpt / system (also user /
+  assistant); optional top-level ``system``.
+- ``text``: ``text``, plain text for continued pre-training and perplexity.
+
+A conversation is an optional system turn, then user and assistant turns alternating, ending with an
+assistant turn (the answer). Leading and trailing whitespace of every turn is removed: the chat template
+supplies the separators. Fields given as JSON text (e.g. a ``messages`` column in a CSV file) are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+from qwenft.config import QwenftError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "system": "system"}
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class DataError(QwenftError):
+    """Bad input data; the message names the file, the line or row (1-based) and the field.
+
+    Attributes:
+        reason: what is wrong, without the location.
+        file: the file (or dataset id), when known.
+        row: the 1-based line (JSONL, CSV, malformed JSON) or row (JSON array, parquet, HF dataset).
+        unit: ``"line"`` or ``"row"``: how ``row`` counts.
+        field: the field of the record, as the file names it.
+    """
+
+    def __init__(self, reason: str, *, file: Optional[str] = None, row: Optional[int] = None,
+                 field: Optional[str] = None, unit: str = "row") -> None:
+        self.reason, self.file, self.row, self.field, self.unit = reason, file, row, field, unit
+        parts = [str(file)] if file else []
+        if row is not None:
+            parts.append(f"{unit} {row}")
+        if field:
+            parts.append(f"field '{field}'")
+        super().__init__(": ".join(parts + [reason]))
+
+    def located(self, file: str, row: Optional[int], unit: str) -> "DataError":
+        """This error with the file and row filled in where they were not known yet."""
+        return DataError(self.reason, file=self.file or file, row=self.row if self.row is not None else row,
+                         field=self.field, unit=self.unit if self.row is not None else unit)
+
+
+def _label(columns: Dict[str, str], name: str) -> str:
+    """How the file names the format field ``name`` (``answer (output)`` when renamed)."""
+    mapped = columns.get(name, name)
+    return mapped if mapped == name else f"{mapped} (as {name})"
+
+
+def _get(record: Dict[str, Any], columns: Dict[str, str], name: str, required: bool) -> Any:
+    key = columns.get(name, name)
+    if key not in record:
+        if required:
+            have = ", ".join(map(str, record)) or "(none)"
+            raise DataError(f"missing; the row has fields: {have}", field=_label(columns, name))
+        return None
+    return record[key]
+
+
+def _string(value: Any, field: str, required: bool) -> str:
+    if value is None:
+        if required:
+            raise DataError("is null; expected text", field=field)
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"must be a string, got {type(value).__name__} ({_short(value)})", field=field)
+    return value.strip()
+
+
+def _list(value: Any, field: str) -> list:
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"is text that is not a valid JSON list ({exc.msg})", field=field) from None
+    if not isinstance(value, list):
+        raise DataError(f"must be a list, got {type(value).__name__} ({_short(value)})", field=field)
+    return value
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _alpaca(record: Dict[str, Any], columns: Dict[str, str]) -> List[Dict[str, str]]:
+    label = lambda name: _label(columns, name)  # noqa: E731
+    instruction = _string(_get(record, columns, "instruction", True), label("instruction"), True)
+    extra = _string(_get(record, columns, "input", False), label("input"), False)
+    output = _string(_get(record, columns, "output", True), label("output"), True)
+    system = _string(_get(record, columns, "system", False), label("system"), False)
+    history = _get(record, columns, "history", False)
+    prompt = "\n\n".join(part for part in (instruction, extra) if part)
+    if not prompt:
+        raise DataError("empty prompt (instruction and input are both empty)", field=label("instruction"))
+    if not output:
+        raise DataError("empty answer", field=label("output"))
+    messages = [{"role": "system", "content": system}] if system else []
+    for i, pair in enumerate(_list(history, label("history")) if history is not None else []):
+        where = f"{label('history')}[{i}]"
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise DataError(f"must be a [query, answer] pair, got {_short(pair)}", field=where)
+        messages.append({"role": "user", "content": _string(pair[0], f"{where}[0]", True), "_field": f"{where}[0]"})
+        messages.append({"role": "assistant", "content": _string(pair[1], f"{where}[1]", True),
+                         "_field": f"{where}[1]"})
+    messages.append({"role": "user", "content": prompt})
+    messages.append({"role": "assistant", "content": output})
+    return messages
+
+
+def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str) -> List[Dict[str, str]]:
+    list_name, role_name, content_name = (("messages", "role", "content") if fmt == "messages"
+                                          else ("conversations", "from", "value"))
+    role_key, content_key = columns.get(role_name, role_name), columns.get(content_name, content_name)
+    label = _label(columns, list_name)
+    turns = _list(_get(record, columns, list_name, True), label)
+    messages: List[Dict[str, str]] = []
+    if fmt == "sharegpt":
+        system = _string(_get(record, columns, "system", False), _label(columns, "system"), False)
+        if system:
+            messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        where = f"{label}[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"must be an object with '{role_key}' and '{content_key}', got {_short(turn)}",
+                            field=where)
+        for key in (role_key, content_key):
+            if key not in turn:
+                raise DataError(f"missing; the turn has fields: {', '.join(map(str, turn)) or '(none)'}",
+                                field=f"{where}.{key}")
+        role = turn[role_key]
+        accepted = CHAT_ROLES if fmt == "messages" else tuple(SHAREGPT_ROLES)
+        if role not in accepted:
+            raise DataError(f"unknown role {role!r}; accepted: {', '.join(accepted)}", field=f"{where}.{role_key}")
+        role = role if fmt == "messages" else SHAREGPT_ROLES[role]
+        messages.append({"role": role, "content": _string(turn[content_key], f"{where}.{content_key}", True),
+                         "_field": f"{where}.{content_key}"})
+    return messages
+
+
+def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
+    """Validate turn order and contents; returns the messages as plain ``{role, content}`` dicts.
+
+    Raises:
+        DataError: no turns, a system turn after the first, roles that do not alternate user / assistant
+            starting with user, a conversation not ending with an assistant turn, or an empty user turn or
+            answer. The field is the turn's, when the format has one.
+    """
+    fields = [m.get("_field") for m in messages]
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if not plain:
+        raise DataError("the conversation has no turns")
+    start = 1 if plain[0]["role"] == "system" else 0
+    for i, message in enumerate(plain[start:], start=start):
+        expected = "user" if (i - start) % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise DataError(f"turn {i + 1} has role {message['role']!r} where {expected!r} was expected "
+                            "(an optional system turn first, then user and assistant alternating)", field=fields[i])
+        if not message["content"]:
+            what = "empty answer" if expected == "assistant" else "empty user turn"
+            raise DataError(what, field=fields[i])
+    if len(plain) == start or plain[-1]["role"] != "assistant":
+        raise DataError("the conversation must end with an assistant turn (the answer)", field=fields[-1])
+    return plain
+
+
+def normalise(record: Any, fmt: str, columns: Dict[str, str]) -> Tuple[List[Dict[str, str]], Optional[str],
+                                                                        Dict[str, Any]]:
+    """Turn one record into ``(messages, text, meta)``.
+
+    Args:
+        record: one row of the file (a dict).
+        fmt: ``alpaca`` | ``messages`` | ``sharegpt`` | ``text``.
+        columns: format field -> the file's field name.
+
+    Returns:
+        ``messages`` (validated ``[{role, content}]``, empty for ``text``), ``text`` (``None`` unless
+        ``fmt == "text"``) and ``meta``: the record's other fields (e.g. an id used by ``eval_by``).
+
+    Raises:
+        DataError: naming the field (the caller adds file and row).
+    """
+    if not isinstance(record, dict):
+        raise DataError(f"expected an object (a row with named fields), got {type(record).__name__}")
+    used = {columns.get(name, name) for name in _FIELDS[fmt]}
+    meta = {k: v for k, v in record.items() if k not in used}
+    if fmt == "text":
+        text = _string(_get(record, columns, "text", True), _label(columns, "text"), True)
+        if not text:
+            raise DataError("empty text", field=_label(columns, "text"))
+        return [], text, meta
+    messages = _alpaca(record, columns) if fmt == "alpaca" else _turns(record, columns, fmt)
+    return check_conversation(messages), None, meta
+
+
+# The top-level fields each format consumes (the others go to ``meta``); role / content keys live inside turns.
+_FIELDS = {"alpaca": ("instruction", "input", "output", "system", "history"), "messages": ("messages",),
+           "sharegpt": ("conversations", "system"), "text": ("text",)}

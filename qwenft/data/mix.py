@@ -1,0 +1,138 @@
+"""Eval hold-out, exact-ratio mixing and packing: index arithmetic only, no tokenizer, no model.
+
+Mixing rule (the size of an epoch):
+
+- The *anchor* is the source with the largest weight (the first listed on a tie); all of its usable
+  training rows are used, once per epoch, in a seeded random order.
+- Every other source with weight ``w`` contributes ``round(n_anchor * w / w_anchor)`` examples (halves
+  round up): its rows are drawn seeded and without replacement while rows last; only when a source has
+  fewer rows than its share does a second pass (a fresh permutation) start, and so on.
+- A weight of 0 keeps a source out of training (its ``eval_rows`` are still held out).
+
+So the count of every source is within half an example of ``n_anchor * w / w_anchor``; with two sources
+both shares of the total are within one example of the weights (the tests check this). The mixed list is
+shuffled with ``data.seed``. The sample of a non-anchor source is the same in every epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from qwenft.data.formats import DataError
+
+
+def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
+               by: Optional[str] = None) -> Tuple[List[dict], List[dict]]:
+    """Hold out ``n_eval`` rows of a source, seeded by ``(seed, name)``.
+
+    Args:
+        rows: normalised rows (see :func:`qwenft.data.read_source`).
+        n_eval: rows to hold out.
+        seed: ``data.seed``.
+        name: the source name (each source draws from its own stream).
+        by: a ``meta`` field; when set, the held-out rows are spread over its values (one row of each
+            value, in a seeded order, before any value gets a second one).
+
+    Returns:
+        ``(eval_rows, train_rows)``, each in file order; disjoint and together ``rows``.
+
+    Raises:
+        DataError: ``n_eval`` is larger than the number of rows, or a row lacks the ``by`` field.
+    """
+    if n_eval > len(rows):
+        raise DataError(f"eval_rows={n_eval} but the source has only {len(rows)} usable rows", file=name)
+    rng = random.Random(f"{seed}:{name}:eval")
+    if by is None:
+        chosen = set(rng.sample(range(len(rows)), n_eval))
+    else:
+        groups: Dict[object, List[int]] = {}
+        for i, row in enumerate(rows):
+            if by not in row["meta"]:
+                raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
+                                f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",
+                                file=name, row=row["row"], field=by)
+            groups.setdefault(row["meta"][by], []).append(i)
+        order = list(groups.values())
+        rng.shuffle(order)
+        for members in order:
+            rng.shuffle(members)
+        chosen, depth = set(), 0
+        while len(chosen) < n_eval:
+            for members in order:
+                if depth < len(members) and len(chosen) < n_eval:
+                    chosen.add(members[depth])
+            depth += 1
+    held = [row for i, row in enumerate(rows) if i in chosen]
+    kept = [row for i, row in enumerate(rows) if i not in chosen]
+    return held, kept
+
+
+def mix_counts(available: Dict[str, int], weights: Dict[str, float]) -> Dict[str, int]:
+    """Examples per source for one epoch (see the module docstring for the rule).
+
+    Args:
+        available: usable training examples per source, in ``data.sources`` order.
+        weights: mixing weight per source.
+
+    Returns:
+        Examples per source (0 for weight 0).
+
+    Raises:
+        DataError: a source with a positive weight has no usable training rows.
+    """
+    active = [name for name in available if weights[name] > 0]
+    for name in active:
+        if available[name] == 0:
+            raise DataError("has weight > 0 but no usable training rows (all held out, dropped or skipped)",
+                            file=name)
+    anchor = max(active, key=lambda name: (weights[name], -active.index(name)))
+    scale = available[anchor] / weights[anchor]
+    counts = {name: 0 for name in available}
+    for name in active:
+        counts[name] = available[name] if name == anchor else math.floor(scale * weights[name] + 0.5)
+    return counts
+
+
+def choose(available: Dict[str, int], counts: Dict[str, int], seed: int) -> List[Tuple[str, int]]:
+    """Pick the examples of one epoch and shuffle them together.
+
+    Returns:
+        ``[(source, index into that source's usable examples), ...]`` in training order.
+    """
+    picked: List[Tuple[str, int]] = []
+    for name, count in counts.items():
+        rng = random.Random(f"{seed}:{name}:mix")
+        taken: List[int] = []
+        while len(taken) < count:  # a fresh permutation per pass: no repeat before every row is used
+            perm = list(range(available[name]))
+            rng.shuffle(perm)
+            taken.extend(perm[: count - len(taken)])
+        picked.extend((name, i) for i in taken)
+    random.Random(f"{seed}:order").shuffle(picked)
+    return picked
+
+
+def pack(lengths: Sequence[int], max_len: int, window: int = 16) -> List[List[int]]:
+    """Group examples into rows of at most ``max_len`` tokens.
+
+    First fit over the ``window`` most recently opened rows, in the given (shuffled) order, so the mix
+    stays spread over the rows. Every example must fit (``lengths[i] <= max_len``).
+
+    Returns:
+        Rows, each a list of example indices.
+    """
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for i, length in enumerate(lengths):
+        start = max(0, len(rows) - window)
+        for r in range(start, len(rows)):
+            if room[r] >= length:
+                rows[r].append(i)
+                room[r] -= length
+                break
+        else:
+            rows.append([i])
+            room.append(max_len - length)
+    return rows

@@ -1,0 +1,317 @@
+"""``build``: sources -> normalised rows -> eval hold-out -> tokenized (cached) -> mixed -> packed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from qwenft.config import Config, ConfigError, DataConfig, DataSource
+from qwenft.data.formats import DataError
+from qwenft.data.mix import choose, mix_counts, pack, split_eval
+from qwenft.data.read import read_rows
+from qwenft.data.template import IGNORE_INDEX, encode_many
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # bump when the encoding changes, so old cached datasets are not reused
+COLUMNS = ["input_ids", "labels", "length"]
+
+
+@dataclass
+class DataBundle:
+    """What :func:`build` returns.
+
+    Attributes:
+        train: ``datasets.Dataset`` with ``input_ids`` and ``labels`` (``[seq]`` lists of ids; labels -100 where
+            not supervised) and, when ``data.packing``, ``position_ids`` restarting at 0 for each example.
+        eval: the held-out rows, tokenized the same way, never packed (possibly empty).
+        eval_rows: source name -> the held-out normalised rows (``messages`` with the reference answer last,
+            ``text``, ``meta``, ``row``), for generation evaluation.
+        stats: counts per source, ratio achieved, token lengths, truncated / dropped / skipped counts,
+            supervised share, packing fill, cache hits (see :func:`build`).
+        sample: the first training example before packing: ``{source, row, input_ids, labels}``.
+        train_row_ids: source name -> the ``row`` numbers of its training examples, in training order
+            (repeats included).
+    """
+
+    train: Any
+    eval: Any
+    eval_rows: Dict[str, List[dict]]
+    stats: Dict[str, Any]
+    sample: Optional[Dict[str, Any]] = field(default=None, repr=False)
+    train_row_ids: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None
+                  else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(str(tokenizer.chat_template).encode())
+    digest.update(json.dumps([tokenizer.eos_token, tokenizer.pad_token]).encode())
+    return digest.hexdigest()
+
+
+# fingerprint -> tokenizer. datasets.map forks its num_proc workers, which inherit this table, so an
+# _Encoder travels to them without its tokenizer: dill-pickling Qwen's tokenizer takes ~6 s and unpickling ~2 s
+# per worker, more than tokenizing 2,000 rows.
+_TOKENIZERS: Dict[str, Any] = {}
+
+
+class _Encoder:
+    """The ``datasets.map`` function (a picklable object, so ``num_proc`` workers can run it)."""
+
+    def __init__(self, tokenizer, dcfg: DataConfig, file: str, unit: str, fingerprint: str) -> None:
+        self.tokenizer, self.file, self.unit, self.key = tokenizer, file, unit, fingerprint
+        self.settings = {"max_seq_len": dcfg.max_seq_len, "train_on": dcfg.train_on,
+                         "system_prompt": dcfg.system_prompt}
+        _TOKENIZERS[fingerprint] = tokenizer
+
+    def __getstate__(self) -> Dict[str, Any]:
+        tokenizer = self.tokenizer
+        return {**self.__dict__, "tokenizer": None,
+                "reload": (tokenizer.name_or_path, tokenizer.chat_template, tokenizer.pad_token)}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.tokenizer = _TOKENIZERS.get(self.key)
+        if self.tokenizer is None:  # a spawned worker (not Linux): load the tokenizer again from its directory
+            from transformers import AutoTokenizer
+
+            path, template, pad = state["reload"]
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.tokenizer.chat_template, self.tokenizer.pad_token = template, pad
+            _TOKENIZERS[self.key] = self.tokenizer
+
+    def __call__(self, batch: Dict[str, list]) -> Dict[str, list]:
+        items = [(json.loads(m) if t is None else None, t) for m, t in zip(batch["messages"], batch["text"])]
+        results = encode_many(self.tokenizer, items, **self.settings)
+        out: Dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "overflow", "supervised", "error")}
+        for row, result in zip(batch["row"], results):
+            error = isinstance(result, DataError)
+            ids = [] if error else result["input_ids"]
+            out["input_ids"].append(ids)
+            out["labels"].append([] if error else result["labels"])
+            out["length"].append(len(ids))
+            out["overflow"].append(0 if error else result["overflow"])
+            out["supervised"].append(0 if error else sum(label != IGNORE_INDEX for label in result["labels"]))
+            out["error"].append(str(result.located(self.file, row, self.unit)) if error else "")
+        return out
+
+
+def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig) -> str:
+    digest = hashlib.sha256()
+    settings = [CACHE_VERSION, fingerprint, dcfg.max_seq_len, dcfg.train_on, dcfg.system_prompt]
+    digest.update(json.dumps(settings).encode())
+    for row in rows:
+        digest.update(json.dumps([row["messages"], row["text"]], ensure_ascii=False).encode())
+    return digest.hexdigest()[:32]
+
+
+def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource, unit: str, fingerprint: str,
+                  split: str):
+    """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached.
+
+    The cache key hashes the rows' contents, the tokenizer (:func:`tokenizer_fingerprint`) and the settings
+    that change the tokens (max_seq_len, train_on, system_prompt); with ``data.cache`` a hit loads the
+    saved dataset from ``<qwenft cache>/data/<key>`` instead of tokenizing.
+
+    Returns:
+        ``(dataset, cache_hit)``; columns ``row, input_ids, labels, length, overflow, supervised, error``.
+    """
+    import datasets
+    from qwenft.model import cache_dir
+
+    key = _cache_key(rows, fingerprint, dcfg)
+    path = cache_dir() / "data" / key
+    if dcfg.cache and (path / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(path)), True
+    if not rows:  # map() never calls the encoder on no rows, so the columns are made here
+        return datasets.Dataset.from_dict({name: [] for name in ("row", *COLUMNS, "overflow", "supervised",
+                                                                  "error")}), False
+    table = datasets.Dataset.from_dict({
+        "row": [r["row"] for r in rows],
+        "messages": [json.dumps(r["messages"], ensure_ascii=False) if r["text"] is None else "" for r in rows],
+        "text": [r["text"] for r in rows]})
+    num_proc = dcfg.num_proc if dcfg.num_proc > 1 and len(rows) >= 2 * dcfg.num_proc else None
+    encoder = _Encoder(tokenizer, dcfg, src.path, unit, fingerprint)
+    encoded = table.map(encoder, batched=True, batch_size=64, num_proc=num_proc,
+                        remove_columns=["messages", "text"], new_fingerprint=key,
+                        desc=f"tokenizing {src.name} ({split})")
+    if not dcfg.cache:
+        return encoded, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".tmp-", dir=path.parent)
+    bars = datasets.utils.are_progress_bars_disabled()
+    try:
+        datasets.utils.disable_progress_bars()  # saving takes milliseconds: no bar for it
+        encoded.save_to_disk(work)
+        try:
+            os.replace(work, path)
+        except OSError:  # another process saved the same key first: identical content
+            pass
+    finally:
+        if not bars:
+            datasets.utils.enable_progress_bars()
+        shutil.rmtree(work, ignore_errors=True)
+    return datasets.load_from_disk(str(path)), False
+
+
+def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any]):
+    """Apply on_bad_row and overlong to a tokenized source; returns the usable rows and fills ``counts``."""
+    errors, overflow, supervised = encoded["error"], encoded["overflow"], encoded["supervised"]
+    bad = [e for e in errors if e]
+    if bad and dcfg.on_bad_row == "error":
+        raise DataError(bad[0])
+    keep, truncated, dropped = [], 0, 0
+    for i, (error, cut, sup) in enumerate(zip(errors, overflow, supervised)):
+        if error:
+            continue
+        if cut and (dcfg.overlong == "drop" or sup == 0):  # truncation that leaves nothing to learn also drops
+            dropped += 1
+            continue
+        truncated += bool(cut)
+        keep.append(i)
+    counts["skipped"] += len(bad)
+    counts["truncated"] += truncated
+    counts["dropped"] += dropped
+    return encoded.select(keep)
+
+
+def _percentiles(values: List[int]) -> Dict[str, int]:
+    import numpy as np
+
+    if not values:
+        return {"p50": 0, "p95": 0, "max": 0, "mean": 0}
+    p50, p95 = np.percentile(values, [50, 95])  # linear interpolation between order statistics
+    return {"p50": int(round(p50)), "p95": int(round(p95)), "max": int(max(values)),
+            "mean": int(round(sum(values) / len(values)))}
+
+
+def _packed(selected, max_len: int):
+    """Concatenate examples into rows of at most ``max_len`` tokens (see :func:`qwenft.data.mix.pack`)."""
+    import datasets
+
+    ids, labels = selected["input_ids"], selected["labels"]
+    rows = pack([len(x) for x in ids], max_len)
+    out: Dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in rows:
+        row_ids, row_labels, row_pos = [], [], []
+        for i in members:
+            row_ids.extend(ids[i])
+            # The first token is never predicted unpacked; packed, it would be predicted from the previous
+            # example, so it is masked (the same as transformers' DataCollatorWithFlattening separator).
+            row_labels.extend([IGNORE_INDEX] + list(labels[i][1:]))
+            row_pos.extend(range(len(ids[i])))
+        out["input_ids"].append(row_ids)
+        out["labels"].append(row_labels)
+        out["position_ids"].append(row_pos)
+    return datasets.Dataset.from_dict(out)
+
+
+def build(config: Config, tokenizer) -> DataBundle:
+    """Build the training and eval datasets of ``config.data``.
+
+    Steps: read and validate every source (:func:`qwenft.data.read_source`), hold out ``eval_rows`` per source
+    (seeded), tokenize with the chat template and response-only labels (cached, ``datasets.map``), apply
+    ``overlong`` (truncate keeps the first ``max_seq_len`` tokens; an example left with no supervised token
+    is dropped), mix to the weights (rule in :mod:`qwenft.data.mix`), then pack when ``data.packing``.
+
+    Args:
+        config: the validated config (``config.data`` is used).
+        tokenizer: from :func:`qwenft.model.load_tokenizer`.
+
+    Returns:
+        A :class:`DataBundle`. ``stats`` holds ``sources`` (per source: rows read, skipped, eval, usable,
+        truncated, dropped, used, weight, share target and achieved), ``train_examples``, ``train_rows``
+        (packed rows, or examples), ``eval_examples``, ``tokens`` (p50 / p95 / max / mean length of the
+        used examples before truncation), ``truncated``, ``dropped``, ``skipped``, ``supervised_share``
+        (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)) and
+        ``cache_hits`` / ``cache_misses``.
+
+    Raises:
+        ConfigError: no sources.
+        DataError: bad data (see :func:`qwenft.data.read_source`), a row with no supervised token (unless
+            ``on_bad_row=skip``), ``eval_rows`` larger than a source, a weighted source left with no rows.
+    """
+    import datasets
+
+    dcfg = config.data
+    if not dcfg.sources:
+        raise ConfigError("data.sources is empty; give at least one source (see conf/data/default.yaml)")
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    per_source: Dict[str, Dict[str, Any]] = {}
+    usable: Dict[str, Any] = {}
+    held_out: Dict[str, Any] = {}
+    eval_rows: Dict[str, List[dict]] = {}
+    hits = misses = 0
+    for src in dcfg.sources:
+        rows, skipped, unit = read_rows(src, dcfg.on_bad_row)
+        held, kept = split_eval(rows, src.eval_rows, dcfg.seed, src.name, src.eval_by)
+        counts = {"path": src.path, "format": src.format, "rows_read": len(rows) + len(skipped),
+                  "skipped": len(skipped), "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
+        for message in skipped[:3]:
+            log.warning("skipped: %s", message)
+        if held:
+            eval_rows[src.name] = held
+            encoded, hit = tokenize_rows(held, tokenizer, dcfg, src, unit, fingerprint, "eval")
+            hits, misses = hits + hit, misses + (not hit)
+            held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0})
+        if src.weight > 0:
+            encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
+            hits, misses = hits + hit, misses + (not hit)
+            usable[src.name] = _usable(encoded, dcfg, counts)
+        counts["usable"] = len(usable[src.name]) if src.name in usable else 0
+        per_source[src.name] = counts
+
+    weights = {src.name: src.weight for src in dcfg.sources}
+    available = {name: len(ds) for name, ds in usable.items()}
+    counts_used = mix_counts(available, {n: weights[n] for n in available})
+    picked = choose(available, counts_used, dcfg.seed)
+    names = list(usable)
+    offsets = {name: sum(available[n] for n in names[:k]) for k, name in enumerate(names)}
+    pool = datasets.concatenate_datasets([usable[n].select_columns(COLUMNS + ["overflow", "supervised", "row"])
+                                          for n in names])
+    selected = pool.select([offsets[name] + i for name, i in picked])
+    total = len(selected)
+    active = sum(w for w in weights.values() if w > 0)
+    for name, counts in per_source.items():
+        used = counts_used.get(name, 0)
+        counts.update(used=used, repeats=max(0, used - counts["usable"]),
+                      share_target=round(weights[name] / active, 6), share_achieved=round(used / total, 6))
+
+    lengths = selected["length"]
+    full_lengths = [n + cut for n, cut in zip(lengths, selected["overflow"])]
+    n_tokens, n_supervised = sum(lengths), sum(selected["supervised"])
+    train = _packed(selected, dcfg.max_seq_len) if dcfg.packing else selected.select_columns(["input_ids", "labels"])
+    evals = [held_out[n].select_columns(["input_ids", "labels"]) for n in held_out if len(held_out[n])]
+    eval_ds = (datasets.concatenate_datasets(evals) if evals
+               else datasets.Dataset.from_dict({"input_ids": [], "labels": []}))
+    first = selected[0]
+    sample = {"source": picked[0][0], "row": first["row"], "input_ids": first["input_ids"], "labels": first["labels"]}
+    stats = {
+        "sources": per_source, "train_examples": total, "train_rows": len(train), "eval_examples": len(eval_ds),
+        "tokens": _percentiles(full_lengths), "max_seq_len": dcfg.max_seq_len,
+        "truncated": sum(c["truncated"] for c in per_source.values()),
+        "dropped": sum(c["dropped"] for c in per_source.values()),
+        "skipped": sum(c["skipped"] for c in per_source.values()),
+        "supervised_share": round(n_supervised / max(n_tokens, 1), 6), "packing": dcfg.packing,
+        "pack_fill": round(n_tokens / (len(train) * dcfg.max_seq_len), 6) if dcfg.packing else None,
+        "cache_hits": hits, "cache_misses": misses,
+    }
+    log.info("data: %d training examples (%s), %d eval; tokens p50 %d p95 %d max %d; %d truncated, %d dropped",
+             total, ", ".join(f"{n} {c['used']}" for n, c in per_source.items()), len(eval_ds),
+             stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
+             stats["dropped"])
+    row_ids: Dict[str, List[int]] = {name: [] for name in names}
+    for (name, _), row in zip(picked, selected["row"]):
+        row_ids[name].append(row)
+    return DataBundle(train=train, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
+                      train_row_ids=row_ids)

@@ -1,0 +1,470 @@
+"""The data pipeline: formats and errors, chat-template labels on the real Qwen tokenizer, prompt/trainer
+prefix equality, exact mixing, eval hold-out, packing (packed loss == unpacked loss), caching, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenft.config import Config, ConfigError, DataConfig, DataSource, TinyModelConfig
+from qwenft.data import (IGNORE_INDEX, DataCollator, DataError, build, choose, encode_example, encode_text,
+                         mix_counts, normalise, pack, prompt_ids, read_source, split_eval)
+from qwenft.model import load_tokenizer
+
+IM_END, END_OF_TEXT = 151645, 151643  # Qwen2.5's <|im_end|> and <|endoftext|> (DESIGN "Facts to get right")
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def qa_rows(n: int, prefix: str = "q"):
+    return [{"instruction": f"{prefix} question {i}?", "input": "", "output": f"answer {i}."} for i in range(n)]
+
+
+def config_for(*sources: DataSource, **data) -> Config:
+    data.setdefault("cache", False)
+    return Config(data=DataConfig(sources=list(sources), **data))
+
+
+@pytest.fixture(scope="module")
+def qwen(embedded_dir):
+    """The real Qwen2.5 tokenizer of the embedded model (about a second to load)."""
+    return load_tokenizer(str(embedded_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from qwenft.tiny import tiny_model_dir
+
+    return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
+
+
+def supervised_runs(tokenizer, example):
+    """Decoded runs of consecutive supervised tokens."""
+    runs, current = [], []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        if label != IGNORE_INDEX:
+            assert label == token  # a supervised label is the token itself (the model shifts)
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+# ----------------------------------------------------------------------------- labels on the real tokenizer
+
+def test_one_turn_label_mask_exact(qwen):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    example = encode_example(qwen, messages, max_seq_len=1024, train_on="assistant")
+    # <|im_start|>assistant\n Hello there . <|im_end|> \n  (ids checked by hand against the Qwen2.5 vocabulary)
+    assert example["input_ids"][-8:] == [151644, 77091, 198, 9707, 1052, 13, IM_END, 198]
+    assert example["labels"][-8:] == [-100, -100, -100, 9707, 1052, 13, IM_END, -100]
+    assert all(label == IGNORE_INDEX for label in example["labels"][:-5])  # system + user + header: prompt only
+    assert example["input_ids"] == qwen.apply_chat_template(messages, return_dict=False)  # same tokens as whole
+    assert supervised_runs(qwen, example) == ["Hello there.<|im_end|>"]
+
+
+def test_two_turn_label_masks(qwen):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]
+    both = encode_example(qwen, messages, max_seq_len=1024, train_on="assistant")
+    last = encode_example(qwen, messages, max_seq_len=1024, train_on="last_assistant")
+    every = encode_example(qwen, messages, max_seq_len=1024, train_on="all")
+    full = qwen.apply_chat_template(messages, return_dict=False)
+    assert both["input_ids"] == last["input_ids"] == every["input_ids"] == full
+    assert supervised_runs(qwen, both) == ["4<|im_end|>", "6<|im_end|>"]
+    assert supervised_runs(qwen, last) == ["6<|im_end|>"]
+    assert every["labels"] == full
+    # exact positions: each answer token and its <|im_end|>, never the "\n" after it
+    four, six = qwen.convert_tokens_to_ids(["4", "6"])
+    expected = [IGNORE_INDEX] * len(full)
+    for token in (four, six):
+        assert full.count(token) == 1  # only in its answer
+        at = full.index(token)
+        expected[at], expected[at + 1] = token, IM_END
+        assert full[at + 2] == 198  # the newline after <|im_end|>, left unsupervised
+    assert both["labels"] == expected
+    assert "Be brief." in qwen.decode(both["input_ids"])  # the row's system turn replaces the default
+
+
+def test_eos_equal_to_pad_is_still_supervised(qwen):
+    """Pitfall 1: labels are padded by position, so a supervised token equal to the pad id survives."""
+    assert qwen.pad_token_id == END_OF_TEXT
+    text = encode_text(qwen, "Spring has come.", max_seq_len=64)
+    assert text["input_ids"][-1] == END_OF_TEXT and text["labels"][-1] == END_OF_TEXT
+    chat = encode_example(qwen, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}],
+                          max_seq_len=64, train_on="assistant")
+    batch = DataCollator(qwen)([text, chat])
+    n = len(text["input_ids"])
+    assert batch["labels"][0, n - 1].item() == END_OF_TEXT  # supervised although it equals the pad id
+    assert batch["input_ids"][0, n:].eq(END_OF_TEXT).all() and batch["labels"][0, n:].eq(IGNORE_INDEX).all()
+    assert batch["attention_mask"][0].sum().item() == n
+    # A tokenizer whose pad is the end-of-turn token itself: <|im_end|> stays supervised, padding does not.
+    same = DataCollator(IM_END)([chat, text])
+    m = len(chat["input_ids"])
+    assert same["labels"][0, m - 2].item() == IM_END and same["labels"][0, m:].eq(IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "What is the default PIN?"}, {"role": "assistant", "content": "It is 5826."}],
+    [{"role": "user", "content": "Translate: I like books."}, {"role": "assistant", "content": "我喜欢读书。"},
+     {"role": "user", "content": "春天来了？"}, {"role": "assistant", "content": "(yes) — spring\n\nhas come."}],
+    [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": "x"},
+     {"role": "assistant", "content": "{\"a\": 1}"}],
+])
+@pytest.mark.parametrize("system_prompt", [None, "Answer briefly."])
+def test_sampler_prompt_is_the_trained_prefix(qwen, messages, system_prompt):
+    """Pitfall 3: prompt_ids (add_generation_prompt=True) is token for token the trainer's prefix."""
+    example = encode_example(qwen, messages, max_seq_len=4096, train_on="last_assistant",
+                             system_prompt=system_prompt)
+    prompt = prompt_ids(qwen, messages, system_prompt=system_prompt)
+    assert example["input_ids"][: len(prompt)] == prompt
+    assert all(label == IGNORE_INDEX for label in example["labels"][: len(prompt)])
+    assert example["labels"][len(prompt)] != IGNORE_INDEX  # the answer starts right after the prompt
+    assert prompt == qwen.apply_chat_template(
+        ([{"role": "system", "content": system_prompt}] if system_prompt and messages[0]["role"] != "system"
+         else []) + messages[:-1], add_generation_prompt=True, return_dict=False)
+
+
+# ----------------------------------------------------------------------------- formats
+
+def test_formats_normalise_to_the_same_conversation():
+    want = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2\n\nctx"},
+            {"role": "assistant", "content": "A2"}]
+    alpaca = {"instruction": "Q2", "input": "ctx", "output": " A2\n", "system": "S", "history": [["Q1", "A1"]],
+              "id": 7}
+    messages = {"messages": [{"role": r["role"], "content": r["content"]} for r in want]}
+    sharegpt = {"system": "S", "conversations": [
+        {"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"},
+        {"from": "human", "value": "Q2\n\nctx"}, {"from": "gpt", "value": "A2"}]}
+    assert normalise(alpaca, "alpaca", {})[0] == want
+    assert normalise(alpaca, "alpaca", {})[2] == {"id": 7}
+    assert normalise(messages, "messages", {})[0] == want
+    assert normalise(sharegpt, "sharegpt", {})[0] == want
+    renamed = {"q": "Q2", "a": "A2"}
+    assert normalise(renamed, "alpaca", {"instruction": "q", "output": "a"})[0][-1] == {"role": "assistant",
+                                                                                          "content": "A2"}
+    assert normalise({"text": "plain"}, "text", {})[:2] == ([], "plain")
+
+
+def test_csv_parquet_and_json_array_read_alike(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = qa_rows(3)
+    (tmp_path / "a.json").write_text(json.dumps(rows), encoding="utf-8")
+    (tmp_path / "a.csv").write_text("instruction,input,output\n" + "".join(
+        f"{r['instruction']},,\"{r['output']}\"\n" for r in rows), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    read = {s: read_source(DataSource(name="x", path=str(tmp_path / f"a.{s}"))) for s in ("json", "csv", "parquet",
+                                                                                           "jsonl")}
+    messages = {s: [r["messages"] for r in rs] for s, rs in read.items()}
+    assert messages["json"] == messages["csv"] == messages["parquet"] == messages["jsonl"]
+    assert [r["row"] for r in read["jsonl"]] == [1, 2, 3] and [r["row"] for r in read["csv"]] == [2, 3, 4]
+
+
+def test_relative_path_resolves_against_the_working_directory(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "rows.jsonl", qa_rows(2))
+    monkeypatch.chdir(tmp_path)
+    assert len(read_source(DataSource(name="x", path="rows.jsonl"))) == 2
+
+
+def test_hugging_face_dataset_id_goes_through_load_dataset(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(path, subset, split):
+        calls.append((path, subset, split))
+        return datasets.Dataset.from_list(qa_rows(3))
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    rows = read_source(DataSource(name="hub", path="someone/qa", subset="en", split="test", max_rows=2))
+    assert calls == [("someone/qa", "en", "test")] and [r["row"] for r in rows] == [1, 2]
+
+
+def test_encoder_travels_to_workers_without_its_tokenizer(tiny):
+    """datasets.map forks its workers; pickling the tokenizer each time would cost seconds (see build.py)."""
+    import pickle
+
+    from qwenft.data import pipeline
+
+    encoder = pipeline._Encoder(tiny, DataConfig(), "f.jsonl", "line", "test-key")
+    blob = pickle.dumps(encoder)
+    assert len(blob) < 20_000  # the tokenizer itself pickles to megabytes
+    assert pickle.loads(blob).tokenizer is tiny  # a forked worker finds it in the inherited table
+    pipeline._TOKENIZERS.pop("test-key")
+    again = pickle.loads(blob)  # a spawned worker loads it again from its directory
+    assert again.tokenizer is not tiny and again.tokenizer.chat_template == tiny.chat_template
+    assert again({"row": [1], "messages": [json.dumps([{"role": "user", "content": "q"}, {"role": "assistant",
+                 "content": "a"}])], "text": [None]})["error"] == [""]
+
+
+def test_unknown_column_key_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"columns\.answer"):
+        DataSource(name="x", path="a.jsonl", columns={"answer": "a"})
+
+
+# ----------------------------------------------------------------------------- bad input: file, row, field
+
+def bad(tmp_path, name: str, content, **source):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    with pytest.raises(DataError) as info:
+        read_source(DataSource(name="x", path=str(path), **source))
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    return message
+
+
+GOOD = json.dumps({"instruction": "q", "output": "a"})
+
+
+def test_malformed_jsonl_line(tmp_path):
+    message = bad(tmp_path, "a.jsonl", f"{GOOD}\n\n{{\"instruction\": \"q\", \"output\": }}\n")
+    assert "line 3" in message and "malformed JSON" in message
+
+
+def test_malformed_json_array(tmp_path):
+    message = bad(tmp_path, "a.json", "[\n" + GOOD + ',\n{"instruction": "q" "output": "a"}\n]\n')
+    assert "line 3" in message and "malformed JSON: Expecting ',' delimiter (column 21)" in message
+    message = bad(tmp_path, "b.json", "[\n" + GOOD + "\n")  # cut short: the error is at the end
+    assert "line 3" in message and "malformed JSON" in message
+
+
+def test_missing_mapped_field_lists_the_row_fields(tmp_path):
+    message = bad(tmp_path, "a.jsonl", json.dumps({"question": "q", "answr": "a"}) + "\n",
+                  columns={"instruction": "question", "output": "answer"})
+    assert "line 1" in message and "field 'answer (as output)'" in message
+    assert "the row has fields: question, answr" in message
+
+
+def test_wrong_type(tmp_path):
+    message = bad(tmp_path, "a.json", json.dumps([{"instruction": "q", "output": "a"},
+                                                  {"instruction": "q", "output": ["a", "b"]}]))
+    assert "row 2" in message and "field 'output'" in message and "must be a string, got list" in message
+
+
+def test_empty_answer(tmp_path):
+    message = bad(tmp_path, "a.jsonl", GOOD + "\n" + json.dumps({"instruction": "q", "output": "  "}) + "\n")
+    assert "line 2" in message and "field 'output'" in message and "empty answer" in message
+    message = bad(tmp_path, "m.jsonl", json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": ""}]}) + "\n",
+                  format="messages")
+    assert "line 1" in message and "field 'messages[1].content'" in message and "empty answer" in message
+
+
+def test_non_utf8_bytes(tmp_path):
+    message = bad(tmp_path, "a.jsonl", (GOOD + "\n" + GOOD + "\n").encode() + b'{"instruction": "caf\xe9"}\n')
+    assert "line 3" in message and "not UTF-8" in message and "0xe9" in message
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.jsonl: no such file \(resolved to /"):
+        read_source(DataSource(name="x", path=str(tmp_path / "nope.jsonl")))
+
+
+def test_roles_must_alternate_and_end_with_the_answer(tmp_path):
+    turns = [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}]
+    message = bad(tmp_path, "s.jsonl", json.dumps({"conversations": turns}) + "\n", format="sharegpt")
+    assert "field 'conversations[1].value'" in message and "'assistant' was expected" in message
+    message = bad(tmp_path, "r.jsonl", json.dumps({"conversations": [{"from": "bot", "value": "q"}]}) + "\n",
+                  format="sharegpt")
+    assert "conversations[0].from" in message and "unknown role 'bot'" in message
+
+
+def test_on_bad_row_skip_counts(tmp_path):
+    rows = [json.dumps(r) for r in qa_rows(5)] + ["{broken", json.dumps({"instruction": "q", "output": ""})]
+    (tmp_path / "a.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    skipped: list = []
+    got = read_source(DataSource(name="x", path=str(tmp_path / "a.jsonl")), on_bad_row="skip", skipped=skipped)
+    assert len(got) == 5 and len(skipped) == 2 and "line 6" in skipped[0] and "line 7" in skipped[1]
+
+
+def test_zero_supervised_tokens_is_an_error_naming_the_row(tiny, tmp_path):
+    import copy
+
+    silent = copy.deepcopy(tiny)  # a template that never renders the assistant's words
+    silent.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>{{ m['role'] }}\n"
+                            "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+    source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", qa_rows(4))))
+    with pytest.raises(DataError, match=r"a\.jsonl: line 1: no supervised tokens"):
+        build(config_for(source), silent)
+    with pytest.raises(DataError, match="no usable training rows"):
+        build(config_for(source, on_bad_row="skip"), silent)
+
+
+# ----------------------------------------------------------------------------- mixing and the eval split
+
+@pytest.mark.parametrize("n_anchor, weights", [(190, (0.8, 0.2)), (400, (0.8, 0.2)), (7, (0.5, 0.5)),
+                                               (123, (0.7, 0.3)), (1000, (0.9, 0.1)), (33, (0.6, 0.4))])
+def test_mix_ratio_exact_to_one_example(n_anchor, weights):
+    counts = mix_counts({"a": n_anchor, "b": 10_000}, {"a": weights[0], "b": weights[1]})
+    total = sum(counts.values())
+    assert counts["a"] == n_anchor  # the anchor is used once, in full
+    for name, w in zip("ab", weights):
+        assert abs(counts[name] - w / sum(weights) * total) < 1.0, counts
+
+
+def test_choose_without_replacement_while_rows_last():
+    picked = choose({"a": 10, "b": 4}, {"a": 10, "b": 9}, seed=3)
+    b_rows = [i for name, i in picked if name == "b"]
+    assert sorted(i for name, i in picked if name == "a") == list(range(10))
+    assert len(b_rows) == 9 and all(b_rows.count(i) in (2, 3) for i in range(4))  # 2 full passes, then 1 more
+    assert picked == choose({"a": 10, "b": 4}, {"a": 10, "b": 9}, seed=3)  # seeded
+    assert picked != choose({"a": 10, "b": 4}, {"a": 10, "b": 9}, seed=4)
+
+
+def test_eval_split_disjoint_seeded_and_by_group():
+    rows = [{"row": i + 1, "meta": {"fact": i // 5}} for i in range(50)]
+    held, kept = split_eval(rows, 10, seed=0, name="d", by="fact")
+    assert len(held) == 10 and len(kept) == 40
+    assert {r["row"] for r in held}.isdisjoint(r["row"] for r in kept)
+    assert len({r["meta"]["fact"] for r in held}) == 10  # one phrasing of each of 10 facts
+    assert split_eval(rows, 10, seed=0, name="d", by="fact") == (held, kept)
+    with pytest.raises(DataError, match="eval_rows=51"):
+        split_eval(rows, 51, seed=0, name="d")
+
+
+def test_build_project_data_mix_and_disjoint_eval(tiny):
+    """The default preset (data/domain.jsonl + data/general.jsonl): exact counts, eval never trained on."""
+    from tests.conftest import compose_config
+
+    config = compose_config("model=tiny-random", "data.cache=false", command="data")
+    bundle = build(config, tiny)
+    stats = bundle.stats["sources"]
+    assert stats["domain"]["rows_read"] >= 200 and stats["general"]["rows_read"] >= 100
+    assert (stats["domain"]["used"], stats["general"]["used"]) == (190, 48)  # 190 * 0.2 / 0.8 = 47.5 -> 48
+    total = bundle.stats["train_examples"]
+    assert total == len(bundle.train) == 238 and abs(stats["domain"]["used"] - 0.8 * total) < 1
+    for name in ("domain", "general"):
+        held = {r["row"] for r in bundle.eval_rows[name]}
+        assert held and held.isdisjoint(bundle.train_row_ids[name])
+    assert len({r["meta"]["fact_id"] for r in bundle.eval_rows["domain"]}) == 20  # eval_by: fact_id
+    assert len(bundle.eval) == 30 and bundle.eval_rows["domain"][0]["messages"][-1]["role"] == "assistant"
+    for row in bundle.eval_rows["domain"]:  # every answer holds its fact verbatim (data/README.md)
+        assert row["meta"]["fact"] in row["messages"][-1]["content"]
+
+
+def test_source_held_out_entirely(tiny, tmp_path):
+    rows = write_jsonl(tmp_path / "a.jsonl", qa_rows(6))
+    train = DataSource(name="train", path=str(write_jsonl(tmp_path / "b.jsonl", qa_rows(8, "t"))))
+    eval_only = DataSource(name="held", path=str(rows), weight=0.0, eval_rows=6)
+    bundle = build(config_for(train, eval_only), tiny)
+    assert bundle.stats["sources"]["held"]["used"] == 0 and len(bundle.eval_rows["held"]) == 6 == len(bundle.eval)
+    with pytest.raises(DataError, match="held: has weight > 0 but no usable training rows"):
+        build(config_for(train, DataSource(name="held", path=str(rows), weight=0.5, eval_rows=6)), tiny)
+
+
+def test_overlong_truncate_and_drop(tiny, tmp_path):
+    rows = qa_rows(6) + [{"instruction": "long " * 200, "output": "x"}, {"instruction": "q", "output": "y " * 200}]
+    source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", rows)))
+    cut = build(config_for(source, max_seq_len=64), tiny).stats
+    assert (cut["truncated"], cut["dropped"]) == (1, 1)  # the long prompt leaves no answer: dropped anyway
+    assert cut["tokens"]["max"] > 64 and max(len(x) for x in build(config_for(source, max_seq_len=64), tiny).train[
+        "input_ids"]) == 64
+    dropped = build(config_for(source, max_seq_len=64, overlong="drop"), tiny).stats
+    assert (dropped["truncated"], dropped["dropped"], dropped["train_examples"]) == (0, 2, 6)
+
+
+def test_cache_hit_and_parallel_tokenization_agree(tiny, tmp_path, monkeypatch):
+    source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", qa_rows(40))), eval_rows=4)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    first = build(config_for(source, cache=True), tiny)
+    second = build(config_for(source, cache=True), tiny)
+    assert (first.stats["cache_misses"], second.stats["cache_hits"], second.stats["cache_misses"]) == (2, 2, 0)
+    assert first.train["input_ids"] == second.train["input_ids"] and first.train["labels"] == second.train["labels"]
+    other = build(config_for(source, cache=True, max_seq_len=512), tiny)  # settings are part of the key
+    assert other.stats["cache_misses"] == 2
+    parallel = build(config_for(source, num_proc=2), tiny)
+    assert parallel.train["input_ids"] == first.train["input_ids"]
+
+
+# ----------------------------------------------------------------------------- packing
+
+def test_pack_first_fit():
+    rows = pack([5, 3, 4, 2, 6, 1], max_len=8)
+    assert rows == [[0, 1], [2, 3, 5], [4]]
+    assert all(sum([5, 3, 4, 2, 6, 1][i] for i in r) <= 8 for r in rows)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_loss_equals_unpacked_loss(tiny, tmp_path, attn):
+    from transformers import AutoModelForCausalLM
+
+    from qwenft.tiny import tiny_model_dir
+
+    rows = [{"instruction": f"question {i} " * (1 + i % 4), "output": f"answer {i} " * (1 + i % 3)} for i in range(12)]
+    chat = DataSource(name="chat", path=str(write_jsonl(tmp_path / "a.jsonl", rows)), weight=0.75)
+    text = DataSource(name="text", path=str(write_jsonl(tmp_path / "t.jsonl", [{"text": f"plain text {i}"} for i in
+                                                                                range(8)])), format="text", weight=0.25)
+    unpacked = build(config_for(chat, text, max_seq_len=128), tiny)
+    packed = build(config_for(chat, text, max_seq_len=128, packing=True), tiny)
+    assert packed.stats["train_examples"] == unpacked.stats["train_examples"] == 16
+    assert len(packed.train) < len(unpacked.train) and "position_ids" in packed.train.column_names
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(TinyModelConfig()), dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
+    # As in training (attach_lora): with a KV cache transformers ignores position_ids for the packed mask.
+    model.config.use_cache = False
+    collate = DataCollator(tiny)
+    with torch.no_grad():
+        loss_unpacked = model(**collate(list(unpacked.train))).loss.item()
+        loss_packed = model(**collate(list(packed.train))).loss.item()
+        loss_flat = model(**DataCollator(tiny, flatten=True)(list(packed.train))).loss.item()
+        leaky = collate(list(packed.train))
+        leaky.pop("position_ids")  # without restarting positions the examples attend to each other
+        loss_leaky = model(**leaky).loss.item()
+    # float32 on CPU: the same per-token losses summed in another order and attention over other shapes
+    # differ by rounding (~1e-7 relative); 1e-5 absolute on a loss near ln(512) = 6.2 leaves a wide margin
+    # while the leak below moves the loss by orders of magnitude more.
+    assert loss_packed == pytest.approx(loss_unpacked, abs=1e-5)
+    assert loss_flat == pytest.approx(loss_unpacked, abs=1e-5)
+    assert abs(loss_leaky - loss_unpacked) > 1e-3
+
+
+# ----------------------------------------------------------------------------- real files and the CLI
+
+def test_real_shared_files(qwen, shared_data):
+    gsm8k = DataSource(name="gsm8k", path=str(shared_data / "domain/gsm8k/train.jsonl"), weight=0.8, max_rows=80,
+                       columns={"instruction": "question", "output": "answer"}, eval_rows=8)
+    legal = DataSource(name="legal", path=str(shared_data / "domain/legal_zh/zixun_gpt4.json"), weight=0.0,
+                       max_rows=10, eval_rows=4, columns={"instruction": "query", "output": "response"})
+    general = DataSource(name="general", path=str(shared_data / "general/alpaca_en_demo.json"), weight=0.2,
+                         max_rows=60)
+    bundle = build(config_for(gsm8k, legal, general), qwen)
+    counts = {n: c["used"] for n, c in bundle.stats["sources"].items()}
+    assert counts == {"gsm8k": 72, "legal": 0, "general": 18}
+    assert bundle.eval_rows["legal"][0]["meta"]["laws"]  # unmapped fields kept as meta
+    assert 0 < bundle.stats["supervised_share"] < 1
+
+
+def test_cli_data_command(tmp_path, monkeypatch, capsys):
+    """``python -m qwenft data`` (in-process): counts, ratio, a marked example; a relative path from the cwd."""
+    from qwenft.cli import main
+
+    write_jsonl(tmp_path / "rows.jsonl", qa_rows(12))
+    monkeypatch.chdir(tmp_path)
+    main(["data", "model=tiny-random", "data.cache=false",
+          "data.sources=[{name: mine, path: rows.jsonl, eval_rows: 2}]"])
+    out = capsys.readouterr().out
+    assert "mine" in out and "training examples: 10" in out and "⟦answer" in out and "<|im_end|>⟧" in out
+    with pytest.raises(SystemExit) as info:
+        main(["data", "model=tiny-random", "data.sources=[{name: mine, path: nope.jsonl}]"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qwenft: error: nope.jsonl: no such file (resolved to " + str(tmp_path))
