@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -116,6 +117,18 @@ def _compose_message(exc: BaseException) -> str:
     return first.replace("Error merging override ", "")
 
 
+_FREE_FORM = re.compile(r"^data\.sources\.\d+\.columns(\.[^=]+)?=")
+
+
+def free_form(overrides: Sequence[str]) -> List[str]:
+    """Let overrides add keys to ``data.sources.N.columns``, a free-form mapping (format field -> file field).
+
+    Hydra refuses new keys in a struct config unless the override starts with ``++``; the mapping's keys are
+    checked against the format later (:class:`qwenft.config.DataSource`), so ``++`` is added here for the user.
+    """
+    return [f"++{o}" if _FREE_FORM.match(o) else o for o in overrides]
+
+
 def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> list:
     """Compose and validate the config for ``command`` with ``overrides`` (each grid point if ``multirun``).
 
@@ -207,9 +220,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parsed = _parse_hydra_args(rest)
     if not (parsed.help or parsed.cfg or parsed.info):
         try:
-            validate(command, parsed.overrides, multirun=parsed.multirun)
+            validate(command, free_form(parsed.overrides), multirun=parsed.multirun)
         except ConfigError as exc:
             fail(str(exc))
         _resolve(command)  # an unimplemented command stops here, before Hydra writes anything
     flags = [a for a in rest if a not in parsed.overrides]
-    _run_hydra(command, parsed.overrides, flags)
+    _run_hydra(command, free_form(parsed.overrides), flags)

@@ -160,7 +160,8 @@ class DataSource:
         _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
                "must be a positive integer or null")
         _check(self.eval_rows >= 0, f"data.sources[{self.name}].eval_rows", self.eval_rows, "must be >= 0")
-        _check(bool(self.path), f"data.sources[{self.name}].path", self.path, "must be set")
+        _check(bool(self.path) and self.path != "???", f"data.sources[{self.name}].path", self.path,
+               "must be set: data.sources.N.path=FILE (N: the source's index, from 0)")
 
 
 @dataclass
@@ -489,7 +490,7 @@ def to_config(cfg: Any) -> Config:
     if problems:
         raise ConfigError(problems[0])
     try:
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
         return OmegaConf.to_object(merged)
     except ConfigError:

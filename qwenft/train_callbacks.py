@@ -37,6 +37,30 @@ class QwenftTrainer(Trainer):
         self._staging: Optional[str] = None
         self._last_log = (time.perf_counter(), 0)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Causal LM loss with the vocabulary projection applied to supervised positions only.
+
+        The same value as transformers' ``ForCausalLMLoss`` (sum of token NLLs over labels != -100, divided
+        by ``num_items_in_batch`` when the Trainer passes it, else by the count), but ``lm_head`` runs on
+        the supervised hidden states instead of every position: on chat data about a third of the tokens
+        are supervised, and with Qwen's 151,936-word vocabulary the full ``[batch, seq, vocab]`` logits are
+        a large share of a small model's compute and memory.
+        """
+        causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+        body, head = getattr(causal, "model", None), getattr(causal, "lm_head", None)
+        if body is None or head is None or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs["labels"]
+        features = {k: v for k, v in inputs.items() if k != "labels"}
+        hidden = body(**features, use_cache=False).last_hidden_state
+        targets = labels[:, 1:]
+        keep = targets != -100
+        logits = head(hidden[:, :-1][keep]).float()  # [supervised tokens, vocab]
+        loss = torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
+        denominator = num_items_in_batch if num_items_in_batch is not None else keep.sum()
+        loss = loss / torch.as_tensor(denominator, device=loss.device).clamp(min=1)
+        return (loss, {"loss": loss}) if return_outputs else loss
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         step = self.state.global_step + 1

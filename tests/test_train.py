@@ -182,3 +182,26 @@ def test_adapter_loads_with_plain_peft(tmp_path):
     done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_supervised_only_loss_equals_the_model_loss(tmp_path):
+    """QwenftTrainer.compute_loss (lm_head on supervised positions only) == transformers' loss."""
+    from qwenft.data import DataCollator, encode_example
+    from qwenft.model import attach_lora, load_model
+    from qwenft.train import training_arguments
+    from qwenft.train_callbacks import QwenftTrainer
+
+    config = compose_config("model=tiny-random", "quant=none", f"out_dir={tmp_path}", "lora.lora_dropout=0.0")
+    model, tokenizer = load_model(config, device="cpu")
+    model = attach_lora(model, config.lora, gradient_checkpointing=False)
+    rows = [encode_example(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                           max_seq_len=128, train_on="assistant") for q, a in QUESTIONS[:3]]
+    batch = DataCollator(tokenizer)([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+    trainer = QwenftTrainer(model=model, args=training_arguments(config, model, tmp_path / "ckpt", False))
+    with torch.no_grad():
+        ours = trainer.compute_loss(model, dict(batch))
+        reference = model(**batch).loss
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        ours_sum = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(2 * n))
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)  # fp32, same math in another order
+    torch.testing.assert_close(ours_sum, reference / 2, rtol=1e-6, atol=0)
