@@ -361,6 +361,8 @@ class PlanConfig:
     changes a few terms (dropout masks, the default optimizer). ``reserve_gb``: memory the tensor count does
     not see (CUDA context, cuBLAS workspace, allocator slack; Python and libraries on a CPU), used only for the
     fits / largest-batch answers. ``context_len``: KV-cache length to plan for (null: ``data.max_seq_len``).
+    ``supervised_fraction``: the share of tokens with a label; qwenft's trainer projects only those onto the
+    vocabulary (1.0, the default, is the upper bound: every token, as with ``data.train_on=all``).
     ``out``: a JSON file for the whole plan.
     """
 
@@ -368,6 +370,7 @@ class PlanConfig:
     context_len: Optional[int] = None
     device: str = "cuda"
     reserve_gb: float = 1.0
+    supervised_fraction: float = 1.0
     out: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -376,6 +379,8 @@ class PlanConfig:
                "must be null or >= 1 tokens")
         _check_choice("plan.device", self.device, ("cuda", "cpu"))
         _check(self.reserve_gb >= 0, "plan.reserve_gb", self.reserve_gb, "must be >= 0 (GiB)")
+        _check(0 < self.supervised_fraction <= 1, "plan.supervised_fraction", self.supervised_fraction,
+               "must be in (0, 1]")
         _check(self.out is None or bool(self.out), "plan.out", self.out, "must be a file path or null")
 
 

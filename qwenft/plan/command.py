@@ -1,0 +1,198 @@
+"""``python -m qwenft plan``: parameters, weight bytes, LoRA size, training-step memory, KV cache and what fits.
+
+Everything comes from the model's config.json numbers (:mod:`qwenft.plan.arch`) and the formulas of
+:mod:`qwenft.plan.memory`; no weight is downloaded or loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict
+
+from qwenft.config import Config
+from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
+from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, weight_bytes
+
+GIB = 1 << 30
+SEQ_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+MAX_BATCH = 4096
+
+
+def write_json(path: str, obj: Any) -> Path:
+    """Write ``obj`` as UTF-8 JSON to ``path`` atomically (temp name in the same folder, then ``os.replace``)."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(obj, handle, indent=2, ensure_ascii=False)
+            handle.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _largest_batch(arch: Architecture, setup: TrainSetup, seq: int, budget: int) -> int:
+    """The largest batch size whose steady-state peak fits ``budget`` bytes at ``seq`` tokens (0: none)."""
+    def fits(batch: int) -> bool:
+        return training_memory(arch, setup, batch, seq)["peak"] <= budget
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_BATCH and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_BATCH + 1)
+    while high - low > 1:  # peak grows with the batch: bisect
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _largest_seq(arch: Architecture, setup: TrainSetup, batch: int, budget: int) -> int:
+    """The longest sequence (tokens, up to max_position_embeddings) that fits at ``batch`` (0: none)."""
+    low, high = 0, arch.max_position_embeddings + 1
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if training_memory(arch, setup, batch, mid)["peak"] <= budget else (low, mid)
+    return low
+
+
+def make_plan(config: Config) -> Dict[str, Any]:
+    """The whole plan for ``config`` as a JSON-ready dict (all sizes in bytes, counts in parameters).
+
+    Keys: ``model`` (name, source of the numbers, architecture), ``parameters`` (by component),
+    ``weights`` (16-bit, as loaded, during training), ``lora``, ``training`` (the configured batch x seq with
+    and without gradient checkpointing), ``kv_cache``, ``inference`` and ``budget`` (fits, largest batch per
+    sequence length, longest sequence at the configured batch).
+
+    Raises:
+        QwenftError: the architecture cannot be read (see :func:`qwenft.plan.arch.resolve_architecture`).
+    """
+    arch = resolve_architecture(config.model)
+    pcfg = config.plan
+    setup = TrainSetup.from_config(config, device=pcfg.device)
+    nf4 = setup.nf4
+    counts = parameter_counts(arch)
+    batch, seq = config.train.batch_size, config.data.max_seq_len
+    n_lora = lora_parameter_count(arch, config.lora)
+    runs = {}
+    for name, ckpt in (("with_checkpointing", True), ("without_checkpointing", False)):
+        variant = dataclasses.replace(setup, gradient_checkpointing=ckpt)
+        runs[name] = training_memory(arch, variant, batch, seq)
+    chosen = runs["with_checkpointing" if setup.gradient_checkpointing else "without_checkpointing"]
+    infer_bytes = setup.compute_bytes if nf4 else setup.model_bytes
+    context = pcfg.context_len or seq
+    # load_model reads the dense weights of an NF4 model in the compute dtype
+    loaded = weight_bytes(arch, nf4, setup.double_quant, setup.compute_bytes if nf4 else setup.model_bytes)
+    budget = int(pcfg.gpu_gb * GIB - pcfg.reserve_gb * GIB)
+    seqs = sorted({s for s in SEQ_CANDIDATES if s <= arch.max_position_embeddings} | {seq})
+    return {
+        "model": {"name": config.model.name, "numbers_from": arch.source,
+                  "architecture": {k: v for k, v in dataclasses.asdict(arch).items() if k != "source"}},
+        "parameters": counts,
+        "weights": {
+            "bf16": weight_bytes(arch, False, False, 2),
+            "nf4": weight_bytes(arch, True, config.quant.double_quant, 2),
+            "loaded": loaded,
+            "training": weight_bytes(arch, nf4, setup.double_quant, 4 if nf4 else setup.model_bytes),
+        },
+        "lora": {"r": config.lora.r, "target_modules": list(config.lora.target_modules), "trainable": n_lora,
+                 "percent_of_base": 100.0 * n_lora / counts["total"]},
+        "training": {"device": setup.device, "quant": config.quant.method, "autocast": setup.amp,
+                     "optimizer": setup.optim, "attn_implementation": setup.attn, "batch_size": batch,
+                     "supervised_fraction": setup.supervised,
+                     "seq_len": seq, "tokens": batch * seq,
+                     "gradient_checkpointing": setup.gradient_checkpointing, **runs},
+        "kv_cache": {"bytes_per_token": kv_cache_bytes(arch, 1, infer_bytes), "dtype_bytes": infer_bytes,
+                     "context_len": context, "bytes": kv_cache_bytes(arch, context, infer_bytes)},
+        "inference": {"weights": loaded["total"], "kv_cache": kv_cache_bytes(arch, context, infer_bytes),
+                      "total": loaded["total"] + kv_cache_bytes(arch, context, infer_bytes)},
+        "budget": {"gpu_gb": pcfg.gpu_gb, "reserve_gb": pcfg.reserve_gb, "usable_bytes": budget,
+                   "peak": chosen["peak"], "fits": chosen["peak"] <= budget,
+                   "largest_batch": [{"seq_len": s, "batch_size": _largest_batch(arch, setup, s, budget)}
+                                     for s in seqs],
+                   "longest_seq_at_batch": _largest_seq(arch, setup, batch, budget)},
+    }
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as a short human string in binary units (GiB/MiB/KiB)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{int(nbytes):,} B"
+
+
+def render(plan: Dict[str, Any], console=None) -> None:
+    """Print ``plan`` (from :func:`make_plan`) as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    arch, counts, w = plan["model"]["architecture"], plan["parameters"], plan["weights"]
+    console.print(f"[bold]{plan['model']['name']}[/bold]  (numbers from {plan['model']['numbers_from']})")
+    console.print(f"hidden {arch['hidden_size']}, intermediate {arch['intermediate_size']}, "
+                  f"{arch['num_hidden_layers']} layers, {arch['num_attention_heads']} heads / "
+                  f"{arch['num_key_value_heads']} KV heads x {arch['head_dim']}, vocab {arch['vocab_size']}, "
+                  f"lm_head {'tied' if arch['tie_word_embeddings'] else 'untied'}")
+    table = Table(title="Parameters and weight bytes")
+    for col in ("component", "parameters", "bf16", "NF4 (rest 16-bit)", "during training"):
+        table.add_column(col, justify="left" if col == "component" else "right")
+    rows = [("embeddings", "embeddings"), ("attention (q/k/v/o)", "attention"), ("attention bias", "attention_bias"),
+            ("MLP", "mlp"), ("norms", "norms"), ("lm_head", "lm_head")]
+    for label, key in rows:
+        table.add_row(label, f"{counts[key]:,}", _size(w["bf16"][key]), _size(w["nf4"][key]),
+                      _size(w["training"][key]))
+    table.add_row("[bold]total", f"[bold]{counts['total']:,}", _size(w["bf16"]["total"]),
+                  _size(w["nf4"]["total"]), _size(w["training"]["total"]))
+    console.print(table)
+    lora, t = plan["lora"], plan["training"]
+    console.print(f"LoRA r={lora['r']} on {', '.join(lora['target_modules'])}: {lora['trainable']:,} trainable "
+                  f"parameters ({lora['percent_of_base']:.3f}% of the base)")
+    table = Table(title=f"Training step on {t['device']}: batch {t['batch_size']} x {t['seq_len']} tokens, "
+                        f"quant={t['quant']}, autocast={'bf16' if t['autocast'] else 'off'}, {t['optimizer']}")
+    table.add_column("")
+    for name in ("with_checkpointing", "without_checkpointing"):
+        mark = " (config)" if (name == "with_checkpointing") == t["gradient_checkpointing"] else ""
+        table.add_column(name.replace("_", " ") + mark, justify="right")
+    labels = [("weights", "weights"), ("LoRA weights (fp32)", "lora_weights"), ("gradients", "gradients"),
+              ("optimizer states", "optimizer_states"), ("activations held at the loss", "held_at_loss"),
+              ("logits + loss (fp32)", "logits"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
+    for label, key in labels:
+        table.add_row(label, *(_size(t[name][key]) for name in ("with_checkpointing", "without_checkpointing")))
+    console.print(table)
+    kv, inf, b = plan["kv_cache"], plan["inference"], plan["budget"]
+    console.print(f"KV cache: {kv['bytes_per_token']:,} B per token ({kv['dtype_bytes'] * 8}-bit); "
+                  f"{_size(kv['bytes'])} for {kv['context_len']:,} tokens. Inference: weights "
+                  f"{_size(inf['weights'])} + KV {_size(inf['kv_cache'])} = {_size(inf['total'])}")
+    verdict = "[green]fits[/green]" if b["fits"] else "[red]does not fit[/red]"
+    console.print(f"Budget {b['gpu_gb']} GiB - reserve {b['reserve_gb']} GiB: peak {_size(b['peak'])} {verdict}; "
+                  f"longest sequence at batch {t['batch_size']}: {b['longest_seq_at_batch']:,} tokens")
+    table = Table(title="Largest batch that fits")
+    table.add_column("seq len", justify="right")
+    table.add_column("batch", justify="right")
+    for row in b["largest_batch"]:
+        table.add_row(f"{row['seq_len']:,}", str(row["batch_size"]) if row["batch_size"] else "[red]none")
+    console.print(table)
+
+
+def plan_command(config: Config) -> Dict[str, Any]:
+    """Entry point of ``python -m qwenft plan``: print the plan, write ``plan.out`` (JSON) when set.
+
+    Returns:
+        The plan dict of :func:`make_plan`.
+    """
+    plan = make_plan(config)
+    render(plan)
+    if config.plan.out:
+        path = write_json(config.plan.out, plan)
+        print(f"plan written to {path}")
+    return plan
+
