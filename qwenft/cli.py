@@ -120,13 +120,31 @@ def _compose_message(exc: BaseException) -> str:
 _FREE_FORM = re.compile(r"^data\.sources\.\d+\.columns(\.[^=]+)?=")
 
 
-def free_form(overrides: Sequence[str]) -> List[str]:
-    """Let overrides add keys to ``data.sources.N.columns``, a free-form mapping (format field -> file field).
+_TEXT_KEYS = ("prompt",)  # free text: taken literally, whatever characters it has
+_LIST_KEYS = ("inspect.layers",)  # comma lists: a list, not a sweep
 
-    Hydra refuses new keys in a struct config unless the override starts with ``++``; the mapping's keys are
-    checked against the format later (:class:`qwenft.config.DataSource`), so ``++`` is added here for the user.
+
+def free_form(overrides: Sequence[str]) -> List[str]:
+    """Rewrite the few overrides whose natural spelling Hydra's grammar refuses.
+
+    - ``data.sources.N.columns`` is a free-form mapping (format field -> file field): Hydra refuses new keys in
+      a struct config unless the override starts with ``++``; the keys are checked against the format later
+      (:class:`qwenft.config.DataSource`).
+    - ``prompt=春天``: free text is quoted for Hydra (unquoted non-ASCII, spaces or ``,`` would be refused).
+    - ``inspect.layers=0,12,23`` is a list, not a multirun sweep.
     """
-    return [f"++{o}" if _FREE_FORM.match(o) else o for o in overrides]
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if _FREE_FORM.match(item):
+            item = f"++{item}"
+        elif sep and key in _TEXT_KEYS and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
+            escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+            item = f"{key}='{escaped}'"
+        elif sep and key in _LIST_KEYS and "," in value and not value.startswith("["):
+            item = f"{key}=[{value}]"
+        out.append(item)
+    return out
 
 
 def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> list:

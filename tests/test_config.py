@@ -101,3 +101,16 @@ def test_cli_unknown_recipe_lists_recipes():
 def test_cli_unknown_command():
     result = run_cli("fly")
     assert result.returncode == 2 and "train" in result.stderr
+
+
+def test_free_text_and_list_overrides_are_rewritten_for_hydra():
+    from qwenft.cli import free_form
+
+    assert free_form(["prompt=春天", "prompt=it's a, b", 'prompt="x"']) == [
+        "prompt='春天'", "prompt='it\\'s a, b'", 'prompt="x"']
+    assert free_form(["inspect.layers=0,12,23", "inspect.layers=[1]"]) == ["inspect.layers=[0,12,23]",
+                                                                         "inspect.layers=[1]"]
+    assert free_form(["data.sources.0.columns={instruction: q}", "lora.r=8"]) == [
+        "++data.sources.0.columns={instruction: q}", "lora.r=8"]
+    config = compose_config(*free_form(["prompt=春天, 夏天", "inspect.layers=0,1"]), command="inspect")
+    assert config.prompt == "春天, 夏天" and config.inspect.layers == [0, 1]
