@@ -75,7 +75,7 @@ class ModelConfig:
     source: str = "embedded"
     path: str = ""
     revision: str = "main"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     attn_implementation: str = "sdpa"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
@@ -94,7 +94,7 @@ class QuantConfig:
 
     method: str = "nf4"
     double_quant: bool = True
-    compute_dtype: str = "bfloat16"
+    compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("quant.method", self.method, ("nf4", "none"))

@@ -25,7 +25,7 @@ def test_defaults_compose():
     config = compose_config()
     assert config.command == "train"
     assert config.model.source == "embedded"
-    assert config.quant.method == "nf4" and config.quant.double_quant and config.quant.compute_dtype == "bfloat16"
+    assert config.quant.method == "nf4" and config.quant.double_quant and config.quant.compute_dtype == "auto"
     assert config.lora.target_modules == ALL_TARGETS
     assert [s.weight for s in config.data.sources] == [0.8, 0.2]
 
