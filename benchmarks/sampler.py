@@ -1,0 +1,212 @@
+"""Decode tokens/s of qwenft's KV-cached sampler vs transformers' ``model.generate``, greedy, same model.
+
+For each weight format (bf16, NF4 with bf16 compute) of the embedded Qwen2.5 0.5B model and each batch size
+(1, 8), the two arms alternate in one process (ours, HF, ours, HF, ...) so that machine noise hits both.
+Both generate exactly N new tokens (``min_new_tokens = max_new_tokens = N``, greedy, the model's own
+repetition_penalty) from the same chat prompts. Decode time is measured the same way for both arms, by a
+forward pre-hook on the model: from the start of the first decode forward (the second forward of the call)
+to the return of the call, so the prefill is excluded and every per-step cost outside the model (inputs,
+processors, token choice, stop checks) is included. Decode tokens/s = ``batch * decode forwards / time``,
+median over the repeats. (A difference of whole-call times, T(N) - T(1), is too noisy where the prefill
+dominates, as it does on a CPU without native bf16.)
+
+Memory-bandwidth floor: a decode step must read every weight once (the input embedding excepted: only
+``batch`` rows of it), so one step takes at least ``weight_bytes / bandwidth`` seconds, where bandwidth is
+a measured large-tensor copy (STREAM "copy" convention: bytes read + bytes written, per second). The
+ceiling is ``batch / floor`` tokens/s; the table shows the fraction of it each arm reaches. Target:
+ours / HF >= 1.0.
+
+    python benchmarks/sampler.py            # N=32, 3 repeats, bf16 + NF4, batch 1 + 8
+    python benchmarks/sampler.py --quick    # N=16, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, print_table, save_json  # noqa: E402
+
+QUESTIONS = ["What is 2+2?", "春天的诗", "Write a haiku about the sea.", "Name three primary colors.",
+             "Explain recursion in one sentence.", "Translate 'good morning' to French.",
+             "What is the capital of Japan, and why is it famous?", "List two prime numbers."]
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Measured memory bandwidth in bytes/s: ``2 * size / time`` of a large ``dst.copy_(src)`` (median)."""
+    import torch
+
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every parameter and quantization state, once, except the input
+    embedding matrix (a lookup reads only ``batch`` rows). A packed 4-bit weight counts its packed bytes plus
+    its absmax scales (and their own scales under double quantization)."""
+    import torch
+
+    embedding = model.get_input_embeddings().weight
+    total, counted = 0, set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param is embedding or id(param) in counted:
+                continue
+            counted.add(id(param))
+            total += param.numel() * param.element_size()
+            state = getattr(param, "quant_state", None)
+            while state is not None:  # nested states under double quantization
+                for name in ("absmax", "code", "offset"):
+                    value = getattr(state, name, None)
+                    if isinstance(value, torch.Tensor):
+                        total += value.numel() * value.element_size()
+                state = getattr(state, "state2", None)
+    return total
+
+
+class DecodeClock:
+    """Times the decode phase of one generate call through a forward pre-hook on the model."""
+
+    def __init__(self, model):
+        import torch
+
+        self.starts = []
+        self.cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        self.starts.append(time.perf_counter())
+
+    def measure(self, fn, batch: int):
+        """Run ``fn``; returns ``(result, decode tokens/s)``."""
+        self.starts.clear()
+        result = fn()
+        end = time.perf_counter()
+        decode_forwards = len(self.starts) - 1
+        return result, batch * decode_forwards / (end - self.starts[1])
+
+
+def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: float):
+    import torch
+
+    from qwenft.cli import validate
+    from qwenft.config import register_resolvers
+    from qwenft.generation.kv_cache import left_pad
+    from qwenft.model import load_model
+    from qwenft.sampler import Sampler
+
+    register_resolvers()
+    config = validate("generate", [f"quant={quant}", "model.dtype=bfloat16"])[0]
+    model, tokenizer = load_model(config, device="cpu")
+    model.eval()
+    sampler = Sampler(model, tokenizer, config.generate)
+    weights = weight_bytes_per_step(model)
+    floor_s = weights / bandwidth
+    rows = []
+    clock = DecodeClock(model)
+    for batch in batches:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+                   for q in (QUESTIONS * batch)[:batch]]
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+
+        def ours(n):
+            return sampler.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+        def hf(n):
+            with torch.inference_mode():
+                return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False)
+
+        ours(2), hf(2)  # warm-up
+        speeds = {"ours": [], "hf": []}
+        internal, tokens = [], {}
+        for _ in range(repeats):
+            out, speed = clock.measure(lambda: ours(new_tokens), batch)
+            speeds["ours"].append(speed)
+            internal.append(out.stats)
+            tokens["ours"] = [s.token_ids for s in out.sequences]
+            out, speed = clock.measure(lambda: hf(new_tokens), batch)
+            speeds["hf"].append(speed)
+            tokens["hf"] = [row[ids.shape[1]:].tolist() for row in out]
+        result = {"quant": "nf4" if quant == "nf4" else "bf16", "batch": batch, "new_tokens": new_tokens,
+                  "repeats": repeats, "same_tokens": tokens["ours"] == tokens["hf"], "weight_bytes_per_step": weights,
+                  "floor_s_per_step": floor_s, "ceiling_tokens_per_s": batch / floor_s}
+        for arm in ("ours", "hf"):
+            result[f"{arm}_decode_tokens_per_s_runs"] = speeds[arm]
+            result[f"{arm}_decode_tokens_per_s"] = statistics.median(speeds[arm])
+            result[f"{arm}_fraction_of_ceiling"] = result[f"{arm}_decode_tokens_per_s"] / result["ceiling_tokens_per_s"]
+        result["ratio"] = result["ours_decode_tokens_per_s"] / result["hf_decode_tokens_per_s"]
+        result["ours_internal_decode_tokens_per_s"] = statistics.median(s.decode_tokens_per_s for s in internal)
+        result["ours_internal_prefill_tokens_per_s"] = statistics.median(s.prefill_tokens_per_s for s in internal)
+        result["kv_cache_bytes"] = internal[-1].kv_cache_bytes
+        rows.append(result)
+        print(f"  {result['quant']} batch {batch}: ours {result['ours_decode_tokens_per_s']:.1f} tok/s, "
+              f"HF {result['hf_decode_tokens_per_s']:.1f} tok/s, ratio {result['ratio']:.3f}", flush=True)
+    clock.handle.remove()
+    del model, sampler
+    gc.collect()
+    return rows
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N=16 new tokens, 1 repeat")
+    parser.add_argument("--new-tokens", type=int, default=None, help="N, tokens generated per row (default 32)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per arm (default 3)")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--quants", default="none,nf4", help="comma-separated: none (bf16) and/or nf4")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 avoids oversubscription on a shared machine")
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    new_tokens = args.new_tokens or (16 if args.quick else 32)
+    repeats = args.repeats or (1 if args.quick else 3)
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = copy_bandwidth(128 if args.quick else 256)
+    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write)", flush=True)
+    rows = []
+    for quant in args.quants.split(","):
+        rows.extend(bench_model(quant, batches, new_tokens, repeats, bandwidth))
+    print_table(f"decode tokens/s, greedy, {new_tokens} new tokens, median of {repeats} (ours vs transformers)",
+                ["weights", "batch", "ours tok/s", "HF tok/s", "ratio", "ceiling tok/s", "ours frac", "HF frac",
+                 "same tokens"],
+                [[r["quant"], r["batch"], f"{r['ours_decode_tokens_per_s']:.1f}", f"{r['hf_decode_tokens_per_s']:.1f}",
+                  f"{r['ratio']:.3f}", f"{r['ceiling_tokens_per_s']:.1f}", f"{r['ours_fraction_of_ceiling']:.1%}",
+                  f"{r['hf_fraction_of_ceiling']:.1%}", r["same_tokens"]] for r in rows])
+    save_json("sampler", {"benchmark": "sampler", "environment": environment(), "copy_bandwidth_bytes_per_s": bandwidth,
+                          "settings": {"new_tokens": new_tokens, "repeats": repeats, "batches": batches,
+                                       "quants": args.quants, "threads": _threads(),
+                                       "decoding": "greedy, min_new_tokens=max_new_tokens",
+                                       "model": "embedded Qwen2.5-Coder-0.5B-Instruct"},
+                          "results": rows, "target": "ratio >= 1.0"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""``python -m qwenft generate``: stream one prompt to the terminal, or run a JSONL file of prompts.
+
+::
+
+    python -m qwenft generate prompt="春天" [adapter=PATH] [generate.temperature=0.3] [chat=false]
+    python -m qwenft generate prompts_file=prompts.jsonl [out=results.jsonl] [generate=precise]
+
+A prompts file holds one JSON object per line with a ``prompt`` string (a user turn when ``chat=true``,
+the default; raw text otherwise) or a ``messages`` list of ``{"role", "content"}`` turns. Results are
+written to ``out`` (default: ``<input stem>.generations.jsonl`` beside the input) under a temporary name,
+then renamed: each line is the input object plus ``output``, ``stop_reason``, token counts, ``token_ids``,
+``logprobs`` and ``entropies``. Both modes end with prefill and decode tokens/s and the peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from qwenft.config import Config, QwenftError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+
+
+def read_prompts(path: str) -> List[Dict[str, Any]]:
+    """Read and check a JSONL prompts file.
+
+    Returns:
+        The objects of its non-blank lines, each with a ``prompt`` or ``messages`` field.
+
+    Raises:
+        QwenftError: a missing or empty file, or a bad line; the message names the file, the line and the field.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise QwenftError(f"prompts_file={path!r}: no such file")
+    rows = []
+    with open(file, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise QwenftError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field")
+            _check_row(row, where)
+            rows.append(row)
+    if not rows:
+        raise QwenftError(f"prompts_file={path!r}: the file has no prompts")
+    return rows
+
+
+def _check_row(row: Dict[str, Any], where: str) -> None:
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise QwenftError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise QwenftError(f"{where}: field 'messages[{i}]' must be an object with 'role' and 'content'")
+            if message.get("role") not in ROLES:
+                raise QwenftError(f"{where}: field 'messages[{i}].role' is {message.get('role')!r}; "
+                                  f"expected one of {', '.join(ROLES)}")
+            if not isinstance(message.get("content"), str):
+                raise QwenftError(f"{where}: field 'messages[{i}].content' must be a string")
+    elif "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            raise QwenftError(f"{where}: field 'prompt' must be a non-empty string")
+    else:
+        raise QwenftError(f"{where}: missing field 'prompt' (a string) or 'messages' (a list of turns)")
+
+
+def _chat_input(row: Dict[str, Any], chat: bool, system_prompt: Optional[str]):
+    """The sampler input of one row: messages (system prompt prepended if configured) or raw text."""
+    if "messages" in row:
+        messages = [dict(m) for m in row["messages"]]
+    elif chat:
+        messages = [{"role": "user", "content": row["prompt"]}]
+    else:
+        return row["prompt"]
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def output_path(config: Config) -> Path:
+    """Where a prompts file's results go: ``out``, or ``<stem>.generations.jsonl`` beside the input."""
+    if config.out:
+        return Path(config.out).expanduser()
+    source = Path(config.prompts_file).expanduser()
+    return source.with_name(f"{source.stem}.generations.jsonl")
+
+
+def write_jsonl(path: Path, rows: List[Dict[str, Any]]) -> None:
+    """Write ``rows`` as JSONL atomically (temporary file in the same folder, then ``os.replace``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak accelerator memory allocated on ``device`` (CUDA), else the process's peak RSS."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _summary(prompt_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float, device: str) -> str:
+    prefill = prompt_tokens / prefill_s if prefill_s > 0 else 0.0
+    decode = decode_tokens / decode_s if decode_s > 0 else 0.0
+    kind = "GPU memory" if device.startswith("cuda") else "RSS"
+    return (f"prefill {prefill:,.1f} tokens/s ({prompt_tokens} tokens) | decode {decode:,.1f} tokens/s "
+            f"({decode_tokens} tokens) | peak {kind} {peak_memory_bytes(device) / 2**30:.2f} GiB")
+
+
+def generate_command(config: Config) -> None:
+    """Run ``qwenft generate`` for a validated config.
+
+    Raises:
+        QwenftError: neither or both of ``prompt`` and ``prompts_file``, a bad prompts file (checked before
+            the model is loaded), ``generate.compile=true``, or a missing adapter.
+    """
+    if (config.prompt is None) == (config.prompts_file is None):
+        raise QwenftError('generate needs exactly one of prompt="..." or prompts_file=PATH')
+    from qwenft.generation.generate import check_supported
+
+    check_supported(config.generate)  # before any model is loaded
+    rows = read_prompts(config.prompts_file) if config.prompts_file else None
+    if config.prompt is not None and not config.prompt.strip():
+        raise QwenftError("prompt: empty prompt")
+
+    from qwenft.generation.generate import Sampler
+    from qwenft.model import default_device, load_adapter, load_model
+
+    device = default_device()
+    model, tokenizer = load_model(config, device=device)
+    if config.adapter:
+        model = load_adapter(model, config.adapter)
+    model.eval()
+    sampler = Sampler(model, tokenizer, config.generate)
+    system_prompt = config.data.system_prompt
+    if rows is None:
+        _stream_one(sampler, _chat_input({"prompt": config.prompt}, config.chat, system_prompt), device)
+    else:
+        _run_file(sampler, rows, config, system_prompt, device)
+
+
+def _stream_one(sampler, prompt, device: str) -> None:
+    stream = sampler.stream(prompt)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    stats, result = stream.stats, stream.result
+    print(f"[{result.stop_reason}, {len(result.token_ids)} tokens] "
+          + _summary(stats.prompt_tokens, stats.prefill_s, stats.decode_tokens, stats.decode_s, device),
+          file=sys.stderr)
+
+
+def _run_file(sampler, rows: List[Dict[str, Any]], config: Config, system_prompt: Optional[str], device: str) -> None:
+    from qwenft.generation.generate import encode_prompts
+    from tqdm import tqdm
+
+    target = output_path(config)
+    inputs = [_chat_input(row, config.chat, system_prompt) for row in rows]
+    encoded = encode_prompts(sampler.tokenizer, inputs)
+    # Batches of similar length waste less compute on padding; the order is deterministic (stable sort).
+    order = sorted(range(len(rows)), key=lambda i: len(encoded[i]))
+    size = config.generate.batch_size
+    results: List[Optional[Dict[str, Any]]] = [None] * len(rows)
+    totals = {"prompt": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0}
+    with tqdm(total=len(rows), desc="generate", unit="prompt", file=sys.stderr) as bar:
+        for first in range(0, len(order), size):
+            chunk = order[first:first + size]
+            output = sampler.generate([encoded[i] for i in chunk])
+            for i, seq in zip(chunk, output.sequences):
+                results[i] = {**rows[i], "output": seq.text, "stop_reason": seq.stop_reason,
+                              "prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.token_ids),
+                              "token_ids": seq.token_ids, "logprobs": [round(v, 5) for v in seq.logprobs],
+                              "entropies": [round(v, 5) for v in seq.entropies]}
+            stats = output.stats
+            totals["prompt"] += stats.prompt_tokens
+            totals["prefill_s"] += stats.prefill_s
+            totals["decode"] += stats.decode_tokens
+            totals["decode_s"] += stats.decode_s
+            bar.update(len(chunk))
+    write_jsonl(target, results)
+    print(f"wrote {len(results)} generations to {target}", file=sys.stderr)
+    print(_summary(totals["prompt"], totals["prefill_s"], totals["decode"], totals["decode_s"], device),
+          file=sys.stderr)

@@ -1,0 +1,378 @@
+"""The KV-cached sampler: prefill a left-padded prompt batch once, then decode one token per step.
+
+Works on any causal LM that takes ``cache=`` (transformers 5 models, PEFT-wrapped or merged) and any
+tokenizer. One call:
+
+1. encodes the prompts (text, chat messages rendered with ``apply_chat_template(add_generation_prompt=True)``,
+   or token ids) and left-pads them (:mod:`qwenft.generation.kv_cache`);
+2. prefill: one forward over the whole batch with the attention mask and mask-derived position ids,
+   filling a fresh ``DynamicCache`` and keeping only the last position's logits;
+3. decode: each step feeds only the token just chosen per row (``[batch, 1]``), its position and the
+   grown mask; the model reads everything earlier from the cache. Finished rows keep receiving the pad
+   token, as in transformers, and their outputs are ignored.
+
+The model inputs of every step are the ones ``model.generate`` builds (same mask, positions, cache class,
+``logits_to_keep=1``), and the processors are bit-identical (:mod:`qwenft.generation.sampling`), so greedy
+output equals ``model.generate(do_sample=False)`` token for token and, for the same seed, sampled output
+equals ``model.generate(do_sample=True)``.
+
+Seeds: with ``seed`` set, draws come from a private ``torch.Generator`` seeded with it; the global RNG is
+neither read nor advanced. That generator produces the same numbers as the global RNG right after
+``torch.manual_seed(seed)``, which is what ``torch.manual_seed(seed); model.generate(...)`` draws from, so
+both give the same tokens. With ``seed=None`` the sampler draws from the global RNG, as transformers does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from qwenft.config import GenerateConfig, QwenftError
+from qwenft.generation.kv_cache import cache_bytes, left_pad, new_cache, position_ids, token_history
+from qwenft.generation.params import SamplingParams, resolve_params
+from qwenft.generation.sampling import process_scores, select_tokens
+from qwenft.generation.text import RowText, ends_with_any
+
+log = logging.getLogger(__name__)
+
+Messages = Sequence[Mapping[str, str]]
+Prompt = Union[str, Messages, Sequence[int]]
+TextCallback = Callable[[int, str], None]
+
+
+@dataclass
+class SequenceResult:
+    """One generated sequence.
+
+    Attributes:
+        text: the generated text; without the stop token, cut before a matched stop string.
+        token_ids: every generated token, the final stop token included (so ``len(token_ids) == len(logprobs)``).
+        stop_reason: ``eos`` (a stop token), ``stop_string`` (a stop string or stop sequence) or ``length``.
+        logprobs: per step, log-probability (nats) of the chosen token under the distribution it was
+            chosen from (the softmax of the processed scores).
+        entropies: per step, entropy (nats) of that distribution.
+        prompt_tokens: tokens of the prompt (padding excluded).
+    """
+
+    text: str
+    token_ids: List[int]
+    stop_reason: str
+    logprobs: List[float]
+    entropies: List[float]
+    prompt_tokens: int
+
+
+@dataclass
+class GenerationStats:
+    """Speed and memory of one call. ``prefill_s`` is the prompt forward; ``decode_s`` everything after it.
+
+    ``decode_tokens`` counts tokens chosen from decode-step logits (each row's first token comes from the
+    prefill logits and is not counted).
+    """
+
+    batch_size: int
+    prompt_tokens: int
+    generated_tokens: int
+    decode_tokens: int
+    prefill_s: float
+    decode_s: float
+    kv_cache_bytes: int
+    steps: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class GenerationOutput:
+    """Result of one call: ``sequences`` in prompt order, ``stats`` and, when asked for, ``logits``
+    (per step ``[batch, vocab]`` fp32 raw next-token logits, before any processor)."""
+
+    sequences: List[SequenceResult]
+    stats: GenerationStats
+    logits: Optional[List[torch.Tensor]] = field(default=None, repr=False)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat: bool = False) -> List[List[int]]:
+    """Token ids of each prompt.
+
+    A string is tokenized as is (``chat=False``) or as the content of one user turn (``chat=True``); a list
+    of ``{"role", "content"}`` messages is rendered with the tokenizer's chat template and
+    ``add_generation_prompt=True`` (the prefix the trainer supervises after); a list of ints is used as is.
+
+    Raises:
+        QwenftError: an empty prompt, or an item of another type; the message names its index.
+    """
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and chat:
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.tolist()
+        elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt) and len(prompt):
+            ids = tokenizer.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise QwenftError(f"prompt {index}: expected a string, a list of chat messages or a list of token ids, "
+                              f"got {type(prompt).__name__}")
+        if not ids:
+            raise QwenftError(f"prompt {index}: empty prompt (it needs at least one token)")
+        encoded.append([int(t) for t in ids])
+    return encoded
+
+
+def check_supported(config: GenerateConfig) -> None:
+    """Refuse settings this sampler does not implement.
+
+    Raises:
+        QwenftError: ``generate.compile=true``: the CUDA static-cache + torch.compile path is not built (on a
+            CPU-only machine the message says so first).
+    """
+    if config.compile:
+        where = "this machine has no CUDA device" if not torch.cuda.is_available() else "it is not built yet"
+        raise QwenftError("generate.compile=true (CUDA static cache + torch.compile) is not available: "
+                          f"{where}; run with generate.compile=false")
+
+
+def _accepts(model, name: str) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return name in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Sampler:
+    """KV-cached generation over ``model`` and ``tokenizer``.
+
+    Args:
+        model: a causal LM (base, PEFT-wrapped or merged), in eval mode.
+        tokenizer: its tokenizer (decoding, chat template, pad id).
+        config: the ``generate`` config section; its None fields come from ``model.generation_config``.
+
+    Raises:
+        QwenftError: ``config.compile`` is true (the static-cache + torch.compile path is not built).
+
+    >>> sampler = Sampler(model, tokenizer, config.generate)
+    >>> out = sampler.generate([[{"role": "user", "content": "春天"}]], max_new_tokens=32)
+    >>> out.sequences[0].text, out.stats.decode_tokens_per_s
+    """
+
+    def __init__(self, model, tokenizer, config: Optional[GenerateConfig] = None):
+        config = config or GenerateConfig()
+        check_supported(config)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self._logits_to_keep = _accepts(model, "logits_to_keep")
+
+    @property
+    def generation_config(self):
+        return getattr(self.model, "generation_config", None)
+
+    def params(self, **overrides: Any) -> SamplingParams:
+        """The resolved :class:`SamplingParams` for a call with ``overrides`` (see :func:`resolve_params`)."""
+        return resolve_params(self.config, self.generation_config, self.tokenizer, **overrides)
+
+    def _pad_id(self, params: SamplingParams) -> int:
+        for value in (getattr(self.tokenizer, "pad_token_id", None),
+                      getattr(self.generation_config, "pad_token_id", None)):
+            if value is not None:
+                return int(value)
+        return params.stop_token_ids[0] if params.stop_token_ids else 0
+
+    def generate(self, prompts: Sequence[Prompt], *, chat: bool = False, on_text: Optional[TextCallback] = None,
+                 keep_logits: bool = False, **overrides: Any) -> GenerationOutput:
+        """Generate a continuation for every prompt, as one batch.
+
+        Args:
+            prompts: strings, chat message lists or token id lists (see :func:`encode_prompts`).
+            chat: treat string prompts as one user turn of the chat template.
+            on_text: called as ``on_text(row, delta)`` whenever a row's text grows; deltas never split a
+                UTF-8 character and a row's deltas concatenate to its final ``text``.
+            keep_logits: also return the raw logits of every step (tests, inspection).
+            **overrides: :class:`qwenft.config.GenerateConfig` fields for this call only.
+
+        Returns:
+            A :class:`GenerationOutput` with one :class:`SequenceResult` per prompt, in order.
+
+        Raises:
+            QwenftError: a bad prompt; ConfigError: a bad override.
+        """
+        run = self._run(encode_prompts(self.tokenizer, prompts, chat), self.params(**overrides),
+                        stream=on_text is not None, keep_logits=keep_logits)
+        while True:
+            try:
+                row, delta = next(run)
+            except StopIteration as done:
+                return done.value
+            on_text(row, delta)
+
+    def stream(self, prompt: Prompt, *, chat: bool = False, **overrides: Any) -> "TextStream":
+        """Stream one prompt's text: iterate the returned :class:`TextStream` for deltas, then read ``.result``."""
+        run = self._run(encode_prompts(self.tokenizer, [prompt], chat), self.params(**overrides),
+                        stream=True, keep_logits=False)
+        return TextStream(run)
+
+    @torch.inference_mode()
+    def _run(self, prompts: List[List[int]], params: SamplingParams, stream: bool, keep_logits: bool):
+        """The prefill + decode loop; yields ``(row, delta)`` text events and returns the :class:`GenerationOutput`."""
+        model, device = self.model, _device(self.model)
+        if getattr(model, "training", False):
+            log.warning("the model is in training mode (dropout active); call model.eval() before sampling")
+        batch = len(prompts)
+        pad_id = self._pad_id(params)
+        input_ids, mask = left_pad(prompts, pad_id, device)
+        positions = position_ids(mask)
+        # As model.generate does: with no padding the mask is dropped, so attention takes its causal fast path.
+        attn = None if bool((mask == 1).all()) else mask
+        cache = new_cache(model)
+        extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+        stop_ids = set(params.stop_token_ids)
+        texts = [RowText(self.tokenizer, params.stop_strings) for _ in range(batch)] \
+            if (stream or params.stop_strings) else None
+
+        start = time.perf_counter()
+        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, cache=cache, use_cache=True,
+                    **extra)
+        _sync(device)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+
+        vocab = out.logits.shape[-1]
+        history, seen = None, input_ids.shape[1]
+        if params.repetition_penalty != 1.0:
+            history = token_history(prompts, vocab, params.max_new_tokens, device)
+        stop_index = torch.tensor([t for t in params.stop_token_ids if 0 <= t < vocab], dtype=torch.long,
+                                  device=device) if params.min_new_tokens > 0 else None
+        tokens: List[List[int]] = [[] for _ in range(batch)]
+        logprobs: List[List[float]] = [[] for _ in range(batch)]
+        entropies: List[List[float]] = [[] for _ in range(batch)]
+        reasons: List[Optional[str]] = [None] * batch
+        kept: Optional[List[torch.Tensor]] = [] if keep_logits else None
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        steps = 0
+        for step in range(params.max_new_tokens):
+            logits = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
+            del out
+            if kept is not None:
+                kept.append(logits.clone())
+            scores = process_scores(logits, params, None if history is None else history[:, :seen], stop_index, step)
+            chosen, chosen_logp, entropy = select_tokens(scores, params.greedy, generator)
+            # Finished rows emit the pad token (transformers does the same; it keeps the batch rectangular).
+            chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
+            if history is not None:
+                history[:, seen] = chosen
+                seen += 1
+            steps += 1
+            chosen_list, logp_list, ent_list = chosen.tolist(), chosen_logp.tolist(), entropy.tolist()
+            for row in range(batch):
+                if reasons[row] is not None:
+                    continue
+                token = chosen_list[row]
+                tokens[row].append(token)
+                logprobs[row].append(logp_list[row])
+                entropies[row].append(ent_list[row])
+                stop_allowed = step >= params.min_new_tokens
+                if token in stop_ids:
+                    reasons[row] = "eos"
+                    continue
+                if texts is not None:
+                    delta, hit = texts[row].push(token, stop_allowed)
+                    if delta and stream:
+                        yield row, delta
+                    if hit:
+                        reasons[row] = "stop_string"
+                        continue
+                if stop_allowed and params.stop_sequences and ends_with_any(tokens[row], params.stop_sequences):
+                    reasons[row] = "stop_string"
+                elif step + 1 == params.max_new_tokens:
+                    reasons[row] = "length"
+            if all(r is not None for r in reasons):
+                break
+            unfinished = torch.tensor([r is None for r in reasons], dtype=torch.bool, device=device)
+            # Decode step: only the new token per row; positions continue from each row's last one.
+            positions = positions[:, -1:] + 1
+            if attn is not None:
+                attn = torch.cat([attn, attn.new_ones((batch, 1))], dim=-1)
+            out = model(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions, cache=cache,
+                        use_cache=True, **extra)
+        _sync(device)
+        decode_s = time.perf_counter() - start
+
+        results = []
+        for row in range(batch):
+            body = tokens[row][:-1] if reasons[row] == "eos" else tokens[row]
+            if texts is not None:
+                text, delta = texts[row].finish()
+                if delta and stream:
+                    yield row, delta
+            else:
+                text = self.tokenizer.decode(body, skip_special_tokens=True)
+            results.append(SequenceResult(text=text, token_ids=tokens[row], stop_reason=reasons[row] or "length",
+                                          logprobs=logprobs[row], entropies=entropies[row],
+                                          prompt_tokens=len(prompts[row])))
+        generated = sum(len(t) for t in tokens)
+        stats = GenerationStats(batch_size=batch, prompt_tokens=sum(len(p) for p in prompts),
+                                generated_tokens=generated, decode_tokens=max(generated - batch, 0),
+                                prefill_s=prefill_s, decode_s=decode_s, kv_cache_bytes=cache_bytes(cache), steps=steps)
+        return GenerationOutput(sequences=results, stats=stats, logits=kept)
+
+
+class TextStream:
+    """Iterator over one prompt's text deltas; ``result`` (a :class:`SequenceResult`) and ``stats`` are set
+    once the iteration is over."""
+
+    def __init__(self, run):
+        self._run = run
+        self.output: Optional[GenerationOutput] = None
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:
+                _, delta = next(self._run)
+            except StopIteration as done:
+                self.output = done.value
+                return
+            yield delta
+
+    @property
+    def result(self) -> SequenceResult:
+        if self.output is None:
+            raise RuntimeError("iterate the stream to the end before reading its result")
+        return self.output.sequences[0]
+
+    @property
+    def stats(self) -> GenerationStats:
+        if self.output is None:
+            raise RuntimeError("iterate the stream to the end before reading its stats")
+        return self.output.stats
