@@ -353,11 +353,21 @@ def load_adapter(model, adapter_dir: str, trainable: bool = False):
     """
     from peft import PeftModel
 
+    path = check_adapter_dir(adapter_dir)
+    return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+
+
+def check_adapter_dir(adapter_dir: str) -> Path:
+    """The adapter directory as a Path; call it before loading a model so a typo fails at once.
+
+    Raises:
+        QwenftError: no adapter_config.json in ``adapter_dir`` (it is written by ``python -m qwenft train``).
+    """
     path = Path(adapter_dir).expanduser()
     if not (path / "adapter_config.json").is_file():
         raise QwenftError(f"adapter={adapter_dir!r}: no adapter_config.json there; an adapter directory is written "
                           "by `python -m qwenft train` (<run dir>/adapter)")
-    return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    return path
 
 
 
@@ -368,7 +378,9 @@ def save_adapter_meta(adapter_dir, config: Config) -> None:
     """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
 
     Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the
-    run name and the data sources (name and path). Written atomically (temp name, then ``os.replace``).
+    run name and the data sources (name and path); ``model.dtype`` and ``quant.compute_dtype`` are stored
+    resolved (``auto`` -> what this machine uses, :func:`resolve_dtype`). Written atomically (temp name, then
+    ``os.replace``). Call it in the training process.
 
     Args:
         adapter_dir: The adapter directory (the one holding adapter_config.json); created if missing.
@@ -380,12 +392,15 @@ def save_adapter_meta(adapter_dir, config: Config) -> None:
 
     path = Path(adapter_dir).expanduser()
     path.mkdir(parents=True, exist_ok=True)
+    # Record the dtypes this run resolved ("auto" depends on the machine; a merge must redo what training did).
+    model = dict(dataclasses.asdict(config.model), dtype=resolve_dtype(config.model.dtype))
+    quant = dict(dataclasses.asdict(config.quant), compute_dtype=resolve_dtype(config.quant.compute_dtype))
     meta = {
         "format": 1,
         "qwenft_version": __version__,
         "run_name": config.run_name,
-        "model": dataclasses.asdict(config.model),
-        "quant": dataclasses.asdict(config.quant),
+        "model": model,
+        "quant": quant,
         "lora": dataclasses.asdict(config.lora),
         "train": dataclasses.asdict(config.train),
         "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],

@@ -182,13 +182,12 @@ def eval_command(config: Config) -> None:
     """``qwenft eval [adapter=PATH]``: evaluate the base, and the tuned model when an adapter is given."""
     from qwenft import data as data_lib
     from qwenft.evaluate.report import write_outputs
-    from qwenft.model import load_adapter, load_model, read_adapter_meta
+    from qwenft.model import check_adapter_dir, load_adapter, load_model, read_adapter_meta
 
     generate_preset(config)
     check_ppl_sources(config)
-    if config.adapter and not (Path(config.adapter) / "adapter_config.json").is_file():
-        raise ConfigError(f"adapter={config.adapter!r}: no adapter_config.json there; an adapter directory is "
-                          "written by `python -m qwenft train` (<run dir>/adapter)")
+    if config.adapter:
+        check_adapter_dir(config.adapter)  # before the model load
     if config.adapter and read_adapter_meta(config.adapter):
         log.info("adapter trained on %s", read_adapter_meta(config.adapter).get("model", {}).get("name"))
     model, tokenizer = load_model(config)

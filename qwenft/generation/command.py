@@ -150,8 +150,10 @@ def generate_command(config: Config) -> None:
         raise QwenftError("prompt: empty prompt")
 
     from qwenft.generation.generate import Sampler
-    from qwenft.model import default_device, load_adapter, load_model
+    from qwenft.model import check_adapter_dir, default_device, load_adapter, load_model
 
+    if config.adapter:
+        check_adapter_dir(config.adapter)  # before the (slow) model load
     device = default_device()
     model, tokenizer = load_model(config, device=device)
     if config.adapter:
