@@ -184,7 +184,7 @@ def test_inspect_embedded_chinese_prompt(tmp_path, embedded_dir):
     """The real 0.5B model (16-bit, to stay fast on a CPU) on a Chinese prompt: tables printed, JSON written."""
     out = tmp_path / "trace.json"
     proc = subprocess.run([sys.executable, "-m", "qwenft", "inspect", 'prompt="春天"', "quant=none",
-                           "inspect.layers=[0,12,-1]", f"inspect.out={out}"], cwd=ROOT, capture_output=True,
+                           "model.dtype=bfloat16", "inspect.layers=[0,12,-1]", f"inspect.out={out}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**__import__("os").environ, "COLUMNS": "160"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     for text in ("Tokens of the prompt", "Layers", "Next token", "KV cache for the prompt", "e6 98 a5 e5 a4 a9"):
@@ -194,4 +194,5 @@ def test_inspect_embedded_chinese_prompt(tmp_path, embedded_dir):
     assert any(r["text"] == "春天" for r in trace["tokens"])
     top = trace["base"]["next_token"]["top"]
     assert 0 < sum(t["prob"] for t in top) <= 1.0
+    # bf16: 2 (K and V) x 24 layers x 2 KV heads x 64 dims x 2 bytes = 12,288 bytes per token
     assert trace["kv_cache"]["measured_bytes"] == trace["kv_cache"]["formula_bytes"] == 12_288 * len(trace["tokens"])

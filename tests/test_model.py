@@ -139,7 +139,7 @@ def test_embedded_model(embedded_dir):
         "import time, json; t = time.perf_counter()\n"
         "from tests.conftest import compose_config\n"
         "from qwenft.model import load_model\n"
-        "model, tok = load_model(compose_config('quant=none'), device='cpu')\n"
+        "model, tok = load_model(compose_config('quant=none', 'model.dtype=bfloat16'), device='cpu')\n"
         "elapsed = time.perf_counter() - t\n"
         "prompt = tok.apply_chat_template([{'role': 'user', 'content': '春天'}], tokenize=False,"
         " add_generation_prompt=True)\n"

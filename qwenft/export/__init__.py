@@ -1,0 +1,284 @@
+"""``qwenft merge``: a standalone 16-bit Qwen2.5 model from base + adapter, verified before it is called done.
+
+``python -m qwenft merge adapter=PATH out=DIR [merge.dtype=bfloat16] [merge.base=dequantized|original]
+[merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0]``
+
+1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.export.build.resolve_base` for when a
+   ``model=`` override wins) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
+   NF4-dequantized weights unless ``merge.base=original`` (trade-off: :mod:`qwenft.export.build`).
+2. Reference outputs of the adapter on that base are taken, the delta is merged (NaN/inf checked before it is
+   committed), and the model is saved as safetensors shards with its tokenizer (chat template), a
+   generation_config stopping on every end token, no quantization_config, and ``tie_word_embeddings`` true
+   only when the saved matrices are one.
+3. The directory is reloaded by plain transformers in a subprocess and compared (:mod:`qwenft.export.verify`);
+   above the tolerance the command exits 1 and writes nothing. With ``merge.gguf`` a GGUF is written and
+   loaded back the same way.
+4. Everything is written into ``DIR.tmp-*`` beside ``DIR`` and renamed at the end: an interrupted merge
+   (Ctrl-C, SIGTERM, or a kill) never leaves ``DIR``; leftovers of killed runs are removed by the next run.
+   A non-empty ``DIR`` is refused unless ``merge.overwrite=true``. A re-run whose ``DIR`` already holds a
+   verified merge of the same adapter with the same settings does nothing (``qwenft_merge.json`` records it);
+   ``merge.overwrite=true`` redoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
+from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_, resolve_base,
+                                 retie_, save_merged, untie_)
+from qwenft.export.card import model_card
+from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
+from qwenft.model import read_adapter_meta
+
+log = logging.getLogger(__name__)
+
+MARKER = "qwenft_merge.json"
+OWNER = ".qwenft-merge.pid"
+PAUSE_ENV = "QWENFT_TEST_MERGE_PAUSE"  # test hook: seconds to sleep after the shards are written
+
+__all__ = ["merge", "merge_command", "VerificationError", "MARKER"]
+
+
+def merge_command(config: Config) -> None:
+    """Entry point of ``python -m qwenft merge``: exit 0 when verified, 1 when the check fails, 2 on a user
+    error (raised as :class:`QwenftError` for the CLI to print)."""
+    try:
+        merge(config)
+    except VerificationError as exc:
+        print(f"qwenft: error: merge verification failed, nothing written: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _paths(config: Config):
+    if not config.adapter:
+        raise QwenftError("adapter=PATH is required: the adapter directory written by `python -m qwenft train` "
+                          "(<run dir>/adapter)")
+    adapter_dir = Path(config.adapter).expanduser().resolve()
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise QwenftError(f"adapter={config.adapter}: no adapter_config.json in {adapter_dir}: run "
+                          "`python -m qwenft train` first (it writes <run dir>/adapter)")
+    if not config.out:
+        raise QwenftError("out=DIR is required: the directory the merged model is written to")
+    out = Path(config.out).expanduser().resolve()
+    if out == adapter_dir or out in adapter_dir.parents:
+        raise QwenftError(f"out={config.out}: would replace the adapter itself; choose another directory")
+    if out.exists() and not out.is_dir():
+        raise QwenftError(f"out={config.out}: exists and is not a directory")
+    return adapter_dir, out
+
+
+def _adapter_digest(adapter_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(adapter_dir.glob("adapter_*")):
+        if path.is_file():
+            digest.update(path.name.encode())
+            with open(path, "rb") as handle:
+                while chunk := handle.read(16 << 20):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _request(adapter_dir: Path, model: ModelConfig, quant: QuantConfig, config: Config) -> dict:
+    """What identifies a merge: the adapter's bytes, the base, how it was trained and the merge settings."""
+    settings = {k: v for k, v in dataclasses.asdict(config.merge).items() if k != "overwrite"}
+    request = {"adapter_sha256": _adapter_digest(adapter_dir), "model": dataclasses.asdict(model),
+               "quant": dataclasses.asdict(quant), "merge": settings}
+    return json.loads(json.dumps(request))  # the form it has when read back from the marker
+
+
+def _already_done(out: Path, request: dict) -> bool:
+    marker = out / MARKER
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if record.get("request") != request or not record.get("verification", {}).get("passed"):
+        return False
+    files = record.get("files", {})
+    return bool(files) and all((out / name).is_file() and (out / name).stat().st_size == size
+                               for name, size in files.items())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove ``DIR.tmp-*`` / ``DIR.old-*`` left by merges that were killed (their owner process is gone)."""
+    for path in list(out.parent.glob(f"{out.name}.tmp-*")) + list(out.parent.glob(f"{out.name}.old-*")):
+        owner = path / OWNER if ".tmp-" in path.name else None
+        try:
+            pid = int(owner.read_text()) if owner else int(path.name.rsplit("-", 1)[1])
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            log.info("removing %s (left by a merge that was killed)", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out`` (replacing an empty ``out``, or a full one moved aside first)."""
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f"{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # put the previous model back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        out.rmdir()
+    os.rename(tmp, out)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt while merging, so the temporary directory is removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def merge(config: Config, device: Optional[str] = None) -> Path:
+    """Merge ``config.adapter`` into its base and write the verified model to ``config.out``.
+
+    Args:
+        config: The validated config (``adapter``, ``out``, ``merge.*``; ``model``/``quant`` only when the
+            adapter has no ``qwenft.json`` or ``model=`` names other weights).
+        device: Where to merge and check (default: :func:`qwenft.model.default_device`).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        QwenftError: missing adapter or out, a non-empty out without ``merge.overwrite=true``, an adapter
+            that does not fit its base, non-finite merged weights.
+        VerificationError: the reloaded model (or GGUF) is outside the tolerance; nothing is written.
+    """
+    from qwenft.model import default_device
+
+    adapter_dir, out = _paths(config)
+    model_cfg, quant_cfg, why = resolve_base(config.model, config.quant, adapter_dir)
+    request = _request(adapter_dir, model_cfg, quant_cfg, config)
+    if not config.merge.overwrite and _already_done(out, request):
+        print(f"{out} already holds a verified merge of this adapter with these settings: nothing to do")
+        return out
+    if out.is_dir() and any(out.iterdir()) and not config.merge.overwrite:
+        raise QwenftError(f"out={config.out}: exists and is not empty; choose another out= or pass "
+                          "merge.overwrite=true to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    log.info("base %s (%s) %s", model_cfg.name, model_cfg.source, why)
+    with _terminate_as_interrupt():
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+        try:
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
+            (tmp / OWNER).write_text(str(os.getpid()))
+            _build(config, adapter_dir, out.name, tmp, model_cfg, quant_cfg, why, device or default_device(),
+                   request)
+            (tmp / OWNER).unlink()
+            _commit(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    print(f"merged model written to {out}")
+    return out
+
+
+def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: ModelConfig,
+           quant_cfg: QuantConfig, why: str, device: str, request: dict) -> None:
+    """Everything between an empty temporary directory and a verified one."""
+    from qwenft.export.gguf_file import write_gguf
+
+    merge_cfg = config.merge
+    start = time.perf_counter()
+    model, tokenizer, model_dir = load_base(model_cfg, merge_cfg, device)
+    log.info("loaded the base in %s on %s (%.1f s)", merge_cfg.dtype, device, time.perf_counter() - start)
+    if quant_cfg.method == "nf4" and merge_cfg.base == "dequantized":
+        count = nf4_round_trip_(model, quant_cfg)
+        log.info("NF4 round trip of %d Linear weights, as training saw them (%.1f s)", count,
+                 time.perf_counter() - start)
+    was_tied = untie_(model)
+    peft_model = attach_adapter(model, adapter_dir)
+    reference = compute_reference(peft_model, tokenizer)
+    log.info("reference outputs of the adapter on the base (%.1f s)", time.perf_counter() - start)
+    merged = merge_(peft_model, adapter_dir)
+    tied = retie_(merged, was_tied)
+    save_merged(merged, tokenizer, tmp, merge_cfg.max_shard_size)
+    log.info("merged and saved (%.1f s)", time.perf_counter() - start)
+    if os.environ.get(PAUSE_ENV):
+        print(f"qwenft merge: test hook: pausing {os.environ[PAUSE_ENV]} s after writing the shards",
+              file=sys.stderr, flush=True)
+        time.sleep(float(os.environ[PAUSE_ENV]))
+    del merged, peft_model, model  # free the memory before the reload check loads the model again
+    gc.collect()
+
+    gguf_record = None
+    if merge_cfg.gguf != "none":
+        gguf_record = write_gguf(tmp, tmp / f"{name}-{merge_cfg.gguf}.gguf", merge_cfg.gguf, tokenizer, name)
+    report = run_reload_check(tmp, reference, merge_cfg.dtype, device, model_cfg.attn_implementation,
+                              gguf_record["file"] if gguf_record else None)
+    log.info("reloaded and compared without qwenft (%.1f s)", time.perf_counter() - start)
+    checks = check_report(reference, report, merge_cfg.dtype, tied, merge_cfg.gguf if gguf_record else None)
+    merged_check, gguf_check = checks["merge"], checks["gguf"]
+    print(f"merge check (plain transformers reload, {len(reference.prompts)} prompts): max |delta logit| = "
+          f"{merged_check.max_delta:.3g} (tolerance {merged_check.tolerance:g} for {merge_cfg.dtype}); "
+          f"greedy: {', '.join(merged_check.greedy)}")
+    if gguf_check is not None:
+        print(f"gguf check ({merge_cfg.gguf}, loaded back through transformers): max |delta logit| = "
+              f"{gguf_check.max_delta:.3g} (tolerance {gguf_check.tolerance:g}); "
+              f"greedy: {', '.join(gguf_check.greedy)}")
+    if checks["problems"]:
+        raise VerificationError("; ".join(checks["problems"]))
+
+    base = describe_base(model_cfg, quant_cfg, merge_cfg, model_dir)
+    verification = {"passed": True, "merge": merged_check.as_dict(),
+                    "gguf": gguf_check.as_dict() if gguf_check else None}
+    settings = {k: v for k, v in dataclasses.asdict(merge_cfg).items() if k != "overwrite"}
+    card = model_card(name, base, read_adapter_meta(adapter_dir), settings, verification, adapter_dir.parent,
+                      gguf_record)
+    (tmp / "README.md").write_text(card, encoding="utf-8")
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != OWNER}
+    for file in files:
+        os.chmod(tmp / file, 0o666 & ~_umask())
+    record = {"request": request, "adapter": str(adapter_dir), "base": base, "base_from": why,
+              "tie_word_embeddings": tied, "verification": verification, "gguf": gguf_record, "files": files}
+    (tmp / MARKER).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

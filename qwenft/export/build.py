@@ -1,0 +1,240 @@
+"""Fold a LoRA adapter into its base: pick the base, load it in 16-bit, merge, save an HF directory.
+
+An adapter trained on an NF4 base learned a correction to the *NF4-dequantized* weights, not to the
+original ones. ``merge.base=dequantized`` (the default) therefore rebuilds exactly the weights training saw:
+each Linear weight the NF4 load quantizes is cast to the compute dtype, quantized with bitsandbytes
+(``quantize_4bit``: NF4, blocksize 64, double quant as trained) and dequantized again; every other weight is
+rounded through the compute dtype, as the NF4 load did. The merged model then reproduces adapter-on-NF4-base,
+up to the 16-bit rounding of the merge. ``merge.base=original`` adds the delta to the original 16-bit weights
+instead: the quantization error is gone from the base, but the adapter was never trained against those
+weights, so the result is a different model from the one that was evaluated (usually close, not guaranteed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional, Tuple
+
+from qwenft.config import ConfigError, MergeConfig, ModelConfig, QuantConfig, QwenftError, TinyModelConfig
+from qwenft.model import (ADAPTER_META, load_adapter, load_tokenizer, read_adapter_meta, resolve_model_dir,
+                          resolve_dtype, stop_token_ids, torch_dtype)
+
+log = logging.getLogger(__name__)
+
+NF4_BLOCKSIZE = 64  # bitsandbytes' Params4bit default; BitsAndBytesConfig exposes no other value
+
+
+def _identity(mcfg: ModelConfig) -> tuple:
+    """What names the weights (not how they are run): source, path, revision and, for tiny-random, its shape."""
+    return mcfg.source, mcfg.path, mcfg.revision, (mcfg.tiny if mcfg.source == "tiny-random" else None)
+
+
+def _from_meta(section: str, cls: Any, values: dict, source: Path) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    try:
+        kwargs = {k: v for k, v in values.items() if k in known}
+        if cls is ModelConfig and isinstance(kwargs.get("tiny"), dict):
+            kwargs["tiny"] = TinyModelConfig(**{k: v for k, v in kwargs["tiny"].items()
+                                                if k in {f.name for f in dataclasses.fields(TinyModelConfig)}})
+        return cls(**kwargs)
+    except (ConfigError, TypeError) as exc:
+        raise QwenftError(f"{source}: '{section}' is not a valid {section} config ({exc})") from None
+
+
+def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path) -> Tuple[ModelConfig, QuantConfig, str]:
+    """The base model an adapter is merged into, and how it was trained (NF4 or 16-bit).
+
+    Rule: the adapter's ``qwenft.json`` (written by ``qwenft train``) names the base and its quantization.
+    A ``model=...`` on the command line wins when it names *other weights* than the default preset, i.e.
+    when its source, path, revision (or tiny-random shape) differ from :class:`ModelConfig`'s defaults;
+    settings that do not change the weights (``model.dtype``, ``model.attn_implementation``) never count.
+    Without ``qwenft.json`` the command line's ``model`` and ``quant`` are used as given (the same defaults
+    ``train`` uses), so pass the ones the adapter was trained with.
+
+    Returns:
+        ``(model, quant, why)``: ``why`` is a short phrase for the log and the model card.
+
+    Raises:
+        QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
+    """
+    meta = read_adapter_meta(adapter_dir)
+    if meta is None:
+        return model, quant, f"from the command line (no {ADAPTER_META} beside the adapter)"
+    source = adapter_dir / ADAPTER_META
+    saved_quant = _from_meta("quant", QuantConfig, meta.get("quant") or {"method": "none"}, source)
+    if _identity(model) != _identity(ModelConfig()):
+        return model, saved_quant, f"model={model.name} from the command line (overrides {ADAPTER_META})"
+    return _from_meta("model", ModelConfig, meta["model"], source), saved_quant, f"from the adapter's {ADAPTER_META}"
+
+
+def load_base(mcfg: ModelConfig, merge: MergeConfig, device: str):
+    """Load the base in ``merge.dtype`` (never quantized) and its tokenizer.
+
+    Returns:
+        ``(model, tokenizer, model_dir)``.
+
+    Raises:
+        QwenftError: an unusable source, or a checkpoint that is itself quantized (merge needs 16-bit weights).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_model_dir(mcfg)
+    revision = mcfg.revision if mcfg.source == "hub" else None
+    tokenizer = load_tokenizer(model_dir, revision)
+    kwargs = {"revision": revision} if revision else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch_dtype(merge.dtype), attn_implementation=mcfg.attn_implementation,
+        device_map={"": device}, use_safetensors=True, **kwargs)
+    if getattr(model.config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
+        raise QwenftError(f"{model_dir}: the base checkpoint is itself quantized; merge needs a 16-bit base "
+                          "(model.source=local model.path=<16-bit HF directory>)")
+    model.eval()
+    return model, tokenizer, model_dir
+
+
+def nf4_round_trip_(model, qcfg: QuantConfig) -> int:
+    """Replace the weights in place by what an NF4 load of them holds (see the module docstring).
+
+    The Linear layers chosen are the ones transformers' bitsandbytes quantizer converts: every
+    ``nn.Linear`` outside ``get_keys_to_not_convert`` (the output embedding). Formula: NF4 block-wise
+    quantization (Dettmers et al. 2023, QLoRA, section 2: blocks of 64, absmax scales, double quant of the
+    scales), done by bitsandbytes ``quantize_4bit`` / ``dequantize_4bit``.
+
+    Returns:
+        The number of Linear weights quantized and dequantized.
+    """
+    import bitsandbytes.functional as bnbf
+    import torch
+    from tqdm.auto import tqdm
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    # qwenft.json records the compute dtype training resolved; "auto" (no qwenft.json) resolves here.
+    compute = torch_dtype(qcfg.compute_dtype, str(next(model.parameters()).device))
+    skip = get_keys_to_not_convert(model)
+    linears = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and should_convert_module(name, skip)]
+    with torch.no_grad():
+        # The NF4 load reads every weight in the compute dtype first (norms, embeddings, biases included).
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(compute).to(param.dtype)
+        for _, module in tqdm(linears, desc="NF4 round trip", disable=None):
+            weight = module.weight
+            packed, state = bnbf.quantize_4bit(weight.data.to(compute).contiguous(), blocksize=NF4_BLOCKSIZE,
+                                               compress_statistics=qcfg.double_quant, quant_type="nf4")
+            weight.data = bnbf.dequantize_4bit(packed, state).to(weight.dtype)
+    return len(linears)
+
+
+def untie_(model) -> bool:
+    """Give a tied output embedding its own copy of the matrix, so a merge cannot write into both.
+
+    Returns:
+        Whether the model was tied (then :func:`retie_` decides after the merge).
+    """
+    import torch
+
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is embed.weight:
+        head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return True
+
+
+def retie_(model, was_tied: bool) -> bool:
+    """Tie the embeddings again when they are still equal after the merge; else leave them untied.
+
+    Returns:
+        Whether the saved model is tied (``config.tie_word_embeddings``).
+    """
+    import torch
+
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if was_tied and torch.equal(head.weight, embed.weight):
+        head.weight = embed.weight
+        model.config.tie_word_embeddings = True
+        return True
+    if was_tied:
+        log.warning("the merge changed the output embedding: saving with tie_word_embeddings=false")
+    model.config.tie_word_embeddings = False
+    return False
+
+
+def attach_adapter(model, adapter_dir: Path):
+    """The adapter on the base (a ``PeftModel``, eval mode), with a user error when it does not fit.
+
+    Raises:
+        QwenftError: no adapter_config.json, not a LoRA adapter, or shapes that do not match the base.
+    """
+    config_path = adapter_dir / "adapter_config.json"
+    if config_path.is_file():
+        peft_type = json.loads(config_path.read_text(encoding="utf-8")).get("peft_type")
+        if peft_type not in (None, "LORA"):
+            raise QwenftError(f"{config_path}: peft_type={peft_type!r}; qwenft merges LoRA adapters only")
+    try:
+        peft_model = load_adapter(model, str(adapter_dir))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QwenftError(f"adapter={adapter_dir}: does not fit the base model ({first[:300]}); "
+                          "name the base it was trained on with model=...") from None
+    peft_model.eval()
+    return peft_model
+
+
+def merge_(peft_model, adapter_dir: Path):
+    """Fold the LoRA delta into the base weights (peft ``merge_and_unload`` with ``safe_merge``).
+
+    ``safe_merge`` adds each delta on a copy and checks it for NaN/inf before committing it; every
+    parameter is checked again afterwards (``modules_to_save`` copies included).
+
+    Returns:
+        The plain transformers model.
+
+    Raises:
+        QwenftError: non-finite merged weights (a broken adapter).
+    """
+    import torch
+
+    try:
+        model = peft_model.merge_and_unload(safe_merge=True, progressbar=True)
+    except ValueError as exc:
+        raise QwenftError(f"adapter={adapter_dir}: {exc}") from None
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise QwenftError(f"adapter={adapter_dir}: merged weight {name} has NaN/inf values")
+    return model
+
+
+def save_merged(model, tokenizer, out_dir: Path, max_shard_size: str) -> None:
+    """Save the merged model as safetensors shards, the tokenizer (with its chat template) and a
+    generation_config that stops on every end token (:func:`qwenft.model.stop_token_ids`)."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.use_cache = True
+    gen = model.generation_config
+    gen.eos_token_id = stop_token_ids(tokenizer, gen)
+    gen.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in config:  # belt and braces: a merged model is never quantized
+        raise QwenftError(f"{out_dir / 'config.json'}: still has a quantization_config after the merge")
+
+
+def describe_base(mcfg: ModelConfig, qcfg: QuantConfig, merge: MergeConfig, model_dir: str) -> dict:
+    """The base as the model card and ``qwenft_merge.json`` record it."""
+    trained_nf4 = qcfg.method == "nf4"
+    compute = resolve_dtype(qcfg.compute_dtype)
+    return {"name": mcfg.name, "source": mcfg.source, "path": mcfg.path or model_dir,
+            "trained_on": ("NF4" + (" + double quant" if qcfg.double_quant else "")
+                           + f", {compute} compute") if trained_nf4 else "16-bit",
+            "merged_into": ("NF4-dequantized weights" if trained_nf4 and merge.base == "dequantized"
+                            else "original 16-bit weights")}
+

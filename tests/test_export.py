@@ -1,0 +1,492 @@
+"""qwenft merge: adapter metadata, base resolution, NF4 round trip, merge + verified save, GGUF, atomicity.
+
+Adapters are made through qwenft's own path (qwenft.model.attach_lora, LoRA B set to seeded random values,
+save_pretrained + save_adapter_meta). Each merged directory is checked here against an oracle computed
+independently of qwenft.export: the adapter on its base, loaded with qwenft.model.load_model + load_adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenft.config import ConfigError, ModelConfig, QwenftError
+from qwenft.model import attach_lora, load_adapter, load_model, read_adapter_meta, resolve_dtype, save_adapter_meta
+from tests.conftest import ROOT, compose_config
+
+TEXTS = ["What is the capital of France?", "春天来了", "def add(a, b): return a + b"]
+
+
+def make_adapter(adapter_dir: Path, *overrides: str, std: float = 0.05, model_args=("model=tiny-random",)):
+    """An adapter through attach_lora with seeded random LoRA B (B is zero at init, a no-op adapter)."""
+    config = compose_config(*model_args, "lora.lora_dropout=0.0", *overrides)
+    model, _ = load_model(config, device="cpu")
+    torch.manual_seed(0)  # LoRA A is drawn from the global generator
+    peft_model = attach_lora(model, config.lora, gradient_checkpointing=False)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    peft_model.save_pretrained(adapter_dir)
+    save_adapter_meta(adapter_dir, config)
+    return config
+
+
+def merge_config(adapter: Path, out: Path, *overrides: str):
+    return compose_config(f"adapter={adapter}", f"out={out}", *overrides, command="merge")
+
+
+def batch(tokenizer):
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                             add_generation_prompt=True) for t in TEXTS]
+    return [torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"]]) for p in prompts]
+
+
+def logits_of(model, inputs):
+    with torch.no_grad():
+        return [model(input_ids=x).logits[0].float() for x in inputs]
+
+
+def max_delta(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def oracle(config, adapter: Path, quant: str = "none"):
+    """Adapter-on-base logits, and base logits, computed with qwenft.model only (float32 tiny-random)."""
+    from dataclasses import replace
+
+    cfg = replace(config, quant=replace(config.quant, method=quant))
+    base, tokenizer = load_model(cfg, device="cpu")
+    inputs = batch(tokenizer)
+    base_logits = logits_of(base, inputs)
+    tuned = load_adapter(base, str(adapter))
+    tuned.eval()
+    return logits_of(tuned, inputs), base_logits, inputs
+
+
+def reload_logits(out: Path, inputs, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **kwargs)
+    model.eval()
+    return logits_of(model, inputs), model
+
+
+def no_leftovers(out: Path):
+    return not list(out.parent.glob(f"{out.name}.tmp-*")) and not list(out.parent.glob(f"{out.name}.old-*"))
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    made = {}
+    for name, overrides in {"16bit": ["quant=none"], "nf4": ["quant=nf4"],
+                            "tied": ["quant=none", "model.tiny.tie_word_embeddings=true"]}.items():
+        path = root / name / "adapter"
+        made[name] = (path, make_adapter(path, *overrides))
+    return made
+
+
+# --- metadata and base resolution -------------------------------------------------------------------------
+
+
+def test_adapter_meta_round_trip(tmp_path):
+    config = compose_config("model=tiny-random", "quant=none", "lora.r=4")
+    assert read_adapter_meta(tmp_path) is None
+    save_adapter_meta(tmp_path / "adapter", config)
+    meta = read_adapter_meta(tmp_path / "adapter")
+    assert meta["model"]["source"] == "tiny-random" and meta["quant"]["method"] == "none"
+    assert meta["lora"]["r"] == 4 and meta["run_name"] == config.run_name
+    assert [p.name for p in (tmp_path / "adapter").iterdir()] == ["qwenft.json"]  # no temp file left behind
+    (tmp_path / "adapter" / "qwenft.json").write_text("{not json")
+    with pytest.raises(QwenftError, match="qwenft.json"):
+        read_adapter_meta(tmp_path / "adapter")
+
+
+def test_resolve_base_rule(tmp_path):
+    from qwenft.export.build import resolve_base
+
+    # The rule compares with ModelConfig(): it must be what conf/config.yaml composes by default.
+    assert compose_config(command="merge").model == ModelConfig()
+    trained = compose_config("model=tiny-random", "quant=nf4", "model.tiny.hidden_size=32")
+    save_adapter_meta(tmp_path, trained)
+    plain = compose_config(command="merge")
+    model, quant, why = resolve_base(plain.model, plain.quant, tmp_path)
+    assert model == trained.model and quant.method == "nf4" and "qwenft.json" in why
+    # A setting that does not change the weights is no override ...
+    model, _, _ = resolve_base(compose_config("model.attn_implementation=eager", command="merge").model,
+                               plain.quant, tmp_path)
+    assert model.source == "tiny-random" and model.tiny.hidden_size == 32
+    # ... other weights on the command line are; the training quantization still comes from qwenft.json.
+    other = compose_config("model=tiny-random", "quant=none", command="merge")
+    model, quant, why = resolve_base(other.model, other.quant, tmp_path)
+    assert model.tiny.hidden_size == 64 and quant.method == "nf4" and "command line" in why
+    # Without qwenft.json the command line is used as given.
+    model, quant, why = resolve_base(other.model, other.quant, tmp_path / "nothing")
+    assert model == other.model and quant.method == "none" and "no qwenft.json" in why
+
+
+def test_user_errors_name_the_producing_command(tmp_path):
+    from qwenft.export import merge
+
+    with pytest.raises(QwenftError, match=r"run `python -m qwenft train` first"):
+        merge(merge_config(tmp_path / "missing", tmp_path / "out"))
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(QwenftError, match="out=DIR is required"):
+        merge(compose_config(f"adapter={tmp_path / 'adapter'}", command="merge"))
+    with pytest.raises(QwenftError, match="replace the adapter"):
+        merge(merge_config(tmp_path / "adapter", tmp_path))
+    with pytest.raises(ConfigError, match="merge.max_shard_size"):
+        compose_config("merge.max_shard_size=5 GB", command="merge")
+
+
+def test_refuses_a_non_empty_out(tmp_path, adapters):
+    from qwenft.export import merge
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(QwenftError, match="merge.overwrite=true"):
+        merge(merge_config(adapters["16bit"][0], out, "merge.dtype=float32"), device="cpu")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert no_leftovers(out)
+
+
+# --- NF4 round trip ---------------------------------------------------------------------------------------
+
+
+def test_nf4_round_trip_equals_what_an_nf4_load_holds(tmp_path):
+    import bitsandbytes.functional as bnbf
+    from bitsandbytes.nn import Linear4bit
+
+    from qwenft.config import MergeConfig
+    from qwenft.export.build import load_base, nf4_round_trip_
+
+    config = compose_config("model=tiny-random", "quant=nf4")
+    nf4, _ = load_model(config, device="cpu")
+    expected = {name + ".weight": bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
+                for name, m in nf4.named_modules() if isinstance(m, Linear4bit)}
+    others = {n: p.detach().float() for n, p in nf4.named_parameters() if p.__class__.__name__ != "Params4bit"}
+    model, _, _ = load_base(config.model, MergeConfig(dtype="float32"), "cpu")
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert nf4_round_trip_(model, config.quant) == len(expected) == 7 * config.model.tiny.num_hidden_layers
+    params = dict(model.named_parameters())
+    for name, weight in expected.items():
+        assert torch.equal(params[name], weight), name  # bit-exact: same bitsandbytes kernels, same input
+        assert not torch.equal(original[name], weight)  # and NF4 did change it
+    for name, value in others.items():  # norms, biases, embeddings: rounded through bf16 like the NF4 load
+        assert torch.equal(params[name], value), name
+
+
+# --- merges -----------------------------------------------------------------------------------------------
+
+
+def read_record(out: Path) -> dict:
+    return json.loads((out / "qwenft_merge.json").read_text())
+
+
+def test_merge_16bit_float32_sharded_and_rerun_is_a_no_op(tmp_path, adapters, monkeypatch, capsys):
+    import qwenft.export as export
+
+    adapter, config = adapters["16bit"]
+    out = tmp_path / "merged"
+    merge_cfg = merge_config(adapter, out, "merge.dtype=float32", "merge.max_shard_size=100KB")
+    export.merge(merge_cfg, device="cpu")
+    assert "merge check" in capsys.readouterr().out
+    assert no_leftovers(out)
+
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "model.safetensors.index.json", "qwenft_merge.json"} <= files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1  # 100KB shards of a ~560KB model
+    saved = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in saved and saved["tie_word_embeddings"] is False
+    record = read_record(out)
+    assert record["verification"]["passed"] and record["verification"]["merge"]["max_abs_logit_delta"] <= 1e-5
+
+    expected, base_logits, inputs = oracle(config, adapter)
+    got, model = reload_logits(out, inputs)
+    assert max_delta(expected, base_logits) > 1e-2  # the adapter is not a no-op
+    # fp32: merged W + s*B@A vs two-path W@x + s*B@(A@x) differ by rounding only.
+    assert max_delta(got, expected) <= 1e-5
+    assert not any("lora" in n for n, _ in model.named_parameters())
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template and tokenizer.pad_token == "<|endoftext|>"
+    eos = GenerationConfig.from_pretrained(out).eos_token_id
+    assert set(eos) >= {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    card = (out / "README.md").read_text()
+    assert "tiny-random" in card and "r=16" in card and "max |delta logit|" in card
+
+    # A re-run with the same adapter and settings finds the verified merge and loads nothing.
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    monkeypatch.setattr(export, "_build", lambda *a, **k: pytest.fail("a re-run must not merge again"))
+    export.merge(merge_cfg, device="cpu")
+    assert "nothing to do" in capsys.readouterr().out
+    assert mtimes == {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    # Other settings are another merge: refused, since out is not empty.
+    with pytest.raises(QwenftError, match="merge.overwrite=true"):
+        export.merge(merge_config(adapter, out, "merge.dtype=bfloat16"), device="cpu")
+
+
+def test_merge_nf4_into_dequantized_base(tmp_path, adapters):
+    """The default merge of a QLoRA adapter reproduces adapter-on-NF4-base better than merging into the
+    original weights (the trade-off documented in qwenft.export.build)."""
+    from qwenft.export import merge
+
+    adapter, config = adapters["nf4"]
+    out = tmp_path / "merged"
+    merge(merge_config(adapter, out, "merge.dtype=float32"), device="cpu")
+    record = read_record(out)
+    assert record["base"]["merged_into"] == "NF4-dequantized weights"
+    assert record["verification"]["merge"]["max_abs_logit_delta"] <= 1e-5
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+    on_nf4, _, inputs = oracle(config, adapter, quant="nf4")  # what training and evaluation saw
+    on_original, _, _ = oracle(config, adapter, quant="none")
+    merged, _ = reload_logits(out, inputs)
+    to_nf4, original_to_nf4 = max_delta(merged, on_nf4), max_delta(on_original, on_nf4)
+    print(f"NF4 tiny-random: max|delta| to adapter-on-NF4: dequantized merge {to_nf4:.3g}, "
+          f"original {original_to_nf4:.3g}")
+    # Merging into the original weights carries the whole NF4 quantization error.
+    assert to_nf4 < 0.5 * original_to_nf4
+    if resolve_dtype(config.quant.compute_dtype, "cpu") == "float32":
+        # The NF4 forward then computes in float32 too: the merge reproduces it to rounding.
+        assert to_nf4 <= 1e-5
+
+
+def test_merge_bfloat16_with_gguf_f16_round_trip(tmp_path, adapters):
+    import gguf
+
+    from qwenft.export import merge
+    from qwenft.export.verify import GGUF_RTOL, RTOL
+
+    adapter, config = adapters["nf4"]
+    out = tmp_path / "merged"
+    merge(merge_config(adapter, out, "merge.dtype=bfloat16", "merge.gguf=f16"), device="cpu")
+    record = read_record(out)
+    check = record["verification"]
+    assert check["merge"]["rtol"] == RTOL["bfloat16"] and check["merge"]["passed"]
+    assert check["gguf"]["rtol"] == GGUF_RTOL[("f16", "bfloat16")] and check["gguf"]["passed"]
+    print(f"bf16 merge: max|delta| {check['merge']['max_abs_logit_delta']:.3g}; "
+          f"GGUF f16: {check['gguf']['max_abs_logit_delta']:.3g}")
+    path = out / "merged-f16.gguf"
+
+    reader = gguf.GGUFReader(path)
+    fields = {k: v.contents() for k, v in reader.fields.items()
+              if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")}
+    assert fields["general.architecture"] == "qwen2" and fields["qwen2.block_count"] == 2
+    assert fields["qwen2.attention.head_count_kv"] == 2 and fields["qwen2.rope.freq_base"] == 1e6
+    # transformers 5 loads the tiny tokenizer as Qwen2Tokenizer, with Qwen2's split regex: "qwen2".
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "qwen2"
+    assert "<|im_start|>" in fields["tokenizer.chat_template"]
+    names = {t.name for t in reader.tensors}
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{t}" for i in range(2) for t in
+        ["attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
+         "attn_k.bias", "attn_v.bias", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]}
+    assert names == expected
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 512 and tokens[-1] == "[PAD511]"  # padded to the embedding rows
+
+    # Q/K are stored unpermuted (llama.cpp's qwen2 layout): the raw GGUF tensor is the HF weight in f16.
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    raw = {t.name: t for t in reader.tensors}
+    for hf, name in [("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+                     ("model.layers.1.self_attn.k_proj.weight", "blk.1.attn_k.weight")]:
+        assert torch.equal(torch.from_numpy(raw[name].data.copy()).reshape(weights[hf].shape),
+                           weights[hf].to(torch.float16))
+
+    # Loaded back through transformers (independently of the merge's own check): same logits as the directory.
+    from transformers import AutoTokenizer
+
+    _, _, inputs = oracle(config, adapter, quant="none")
+    merged, _ = reload_logits(out, inputs)
+    from_gguf, _ = reload_logits(out, inputs, gguf_file=path.name)
+    # bf16 weights are exact in f16: the two models hold the same numbers.
+    assert max_delta(from_gguf, merged) <= 1e-6
+    gguf_tok, tok = AutoTokenizer.from_pretrained(out, gguf_file=path.name), AutoTokenizer.from_pretrained(out)
+    for text in TEXTS + ["12345 numbers, and 'quotes'!"]:
+        assert gguf_tok.encode(text) == tok.encode(text), text
+
+
+def test_tied_embeddings_survive_and_an_untied_merge_is_saved_untied(tmp_path, adapters):
+    from peft import LoraConfig, get_peft_model
+
+    from qwenft.export import merge
+
+    adapter, config = adapters["tied"]
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "old.txt").write_text("replaced")  # merge.overwrite=true replaces a non-empty out
+    merge(merge_config(adapter, out, "merge.dtype=float32", "merge.overwrite=true", "merge.gguf=f16"),
+          device="cpu")
+    assert not (out / "old.txt").exists() and no_leftovers(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+    expected, _, inputs = oracle(config, adapter)
+    got, model = reload_logits(out, inputs)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert max_delta(got, expected) <= 1e-5  # fp32: rounding only
+    record = read_record(out)
+    assert record["tie_word_embeddings"] is True and record["verification"]["gguf"]["passed"]
+    import gguf
+
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(out / "merged-f16.gguf").tensors}
+
+    # An adapter that also trains lm_head of the tied base: merging it must not write into the embeddings.
+    base, _ = load_model(config, device="cpu")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05, generator=torch.Generator().manual_seed(7))
+    head_adapter = tmp_path / "head" / "adapter"
+    peft_model.save_pretrained(head_adapter)
+    save_adapter_meta(head_adapter, config)
+    out2 = tmp_path / "merged2"
+    merge(merge_config(head_adapter, out2, "merge.dtype=float32"), device="cpu")
+    assert json.loads((out2 / "config.json").read_text())["tie_word_embeddings"] is False
+    expected2, _, _ = oracle(config, head_adapter)
+    got2, model2 = reload_logits(out2, inputs)
+    assert model2.lm_head.weight.data_ptr() != model2.model.embed_tokens.weight.data_ptr()
+    assert max_delta(got2, expected2) <= 1e-5
+
+
+def test_failed_verification_exits_1_and_writes_nothing(tmp_path, adapters, monkeypatch):
+    import qwenft.export as export
+
+    real_save = export.save_merged
+
+    def corrupting_save(model, *args, **kwargs):  # a merge bug: one projection loses part of its delta
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.01)
+        return real_save(model, *args, **kwargs)
+
+    monkeypatch.setattr(export, "save_merged", corrupting_save)
+    out = tmp_path / "merged"
+    with pytest.raises(SystemExit) as exit_info:
+        export.merge_command(merge_config(adapters["16bit"][0], out, "merge.dtype=float32"))
+    assert exit_info.value.code == 1
+    assert not out.exists() and no_leftovers(out)
+
+
+def _start_paused_merge(adapter: Path, out: Path):
+    env = dict(os.environ, QWENFT_TEST_MERGE_PAUSE="120", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "qwenft", "merge", f"adapter={adapter}", f"out={out}",
+                             "merge.dtype=float32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    for line in proc.stderr:  # the hook announces itself once the shards are written
+        if "test hook: pausing" in line:
+            break
+        assert time.time() < deadline, "the merge never reached the test hook"
+    else:
+        pytest.fail(f"the merge ended before the hook (exit {proc.wait()})")
+    (tmp,) = out.parent.glob(f"{out.name}.tmp-*")
+    assert (tmp / "model.safetensors").is_file()  # killed midway: the shards are there
+    return proc, tmp
+
+
+def test_interrupted_or_killed_merge_leaves_no_dir(tmp_path, adapters):
+    from qwenft.export import _remove_stale
+
+    adapter = adapters["16bit"][0]
+    out = tmp_path / "merged"
+    proc, tmp = _start_paused_merge(adapter, out)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    assert proc.wait(timeout=60) == 130
+    assert not out.exists() and not tmp.exists()
+
+    proc, tmp = _start_paused_merge(adapter, out)
+    proc.kill()  # SIGKILL: no cleanup can run, but DIR only ever appears by rename
+    proc.wait(timeout=60)
+    assert not out.exists() and tmp.exists()
+    _remove_stale(out)  # the next merge removes what a dead merge left
+    assert no_leftovers(out)
+
+
+def test_model_card_eval_table(tmp_path):
+    from qwenft.export.card import eval_table
+
+    assert eval_table(tmp_path) is None
+    (tmp_path / "metrics.json").write_text(json.dumps({"tuned": {"ppl": 3.21, "rouge_l": 0.5}, "name": "x"}))
+    assert eval_table(tmp_path).splitlines()[2:] == ["| tuned.ppl | 3.21 |", "| tuned.rouge_l | 0.5 |"]
+    table = "| metric | base | tuned |\n|---|---|---|\n| ppl | 9 | 3 |"
+    (tmp_path / "report.md").write_text(f"# Report\n\n{table}\n\nmore\n")
+    assert eval_table(tmp_path) == table
+
+
+# --- the embedded 0.5B model ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_fields_of_the_real_qwen_tokenizer(embedded_dir):
+    import gguf
+
+    from qwenft.export.gguf_file import _tokenizer_fields
+    from qwenft.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(embedded_dir))
+    tokens, types, merges, pre = _tokenizer_fields(tokenizer, 151936)
+    assert pre == "qwen2" and len(tokens) == 151936 and len(merges) > 150_000
+    assert tokens[151645] == "<|im_end|>" and types[151645] == int(gguf.TokenType.CONTROL)
+    assert types.count(int(gguf.TokenType.UNUSED)) == 151936 - len(tokenizer)
+
+
+@pytest.mark.slow
+def test_embedded_merge(tmp_path, embedded_dir):
+    """The 0.5B model with a 16-bit-base adapter, merged in float32. The NF4 path is covered on tiny-random
+    above; on 2 CPU cores its NF4 load and round trip would double this test's time."""
+    from safetensors import safe_open
+
+    from qwenft.export import merge
+
+    adapter = tmp_path / "run" / "adapter"
+    start = time.perf_counter()
+    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
+    made = time.perf_counter()
+    out = tmp_path / "merged"
+    # float32: this suite's CPUs lack native bfloat16 GEMMs (bfloat16 is tens of times slower there), and the
+    # float32 check is the strict one (1e-5 of max|z|). bfloat16 merges are covered on tiny-random.
+    merge(merge_config(adapter, out, "merge.dtype=float32"), device="cpu")
+    print(f"0.5B: adapter {made - start:.0f} s, merge + verification {time.perf_counter() - made:.0f} s")
+    record = read_record(out)
+    check = record["verification"]["merge"]
+    print(f"0.5B float32 merge: max|delta logit| {check['max_abs_logit_delta']:.3g} "
+          f"(tolerance {check['tolerance']:.3g})")
+    assert check["passed"] and check["greedy"] == ["equal"] * 3  # greedy text equal on all 3 prompts
+    saved = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in saved and saved["dtype"] == "float32"
+    assert saved["tie_word_embeddings"] is False  # the embedded model has an untied lm_head
+    assert set(json.loads((out / "generation_config.json").read_text())["eos_token_id"]) >= {151645, 151643}
+    # The adapter is not a no-op, and it is what was merged: merged q_proj - base q_proj = (alpha/r) B @ A,
+    # up to float32 rounding of the sum (2^-24 of |W| per entry).
+    from safetensors.torch import load_file
+
+    lora = load_file(adapter / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    delta = 2.0 * lora[f"{prefix}.lora_B.weight"].float() @ lora[f"{prefix}.lora_A.weight"].float()
+    with safe_open(str(out / "model.safetensors"), "pt") as merged, \
+            safe_open(str(embedded_dir / "model.safetensors"), "pt") as base:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        diff = merged.get_tensor(name).float() - base.get_tensor(name).float()
+    assert float((diff - delta).norm()) < 1e-3 * float(delta.norm())
