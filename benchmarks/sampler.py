@@ -78,29 +78,37 @@ def weight_bytes_per_step(model) -> int:
 
 
 class DecodeClock:
-    """Times the decode phase of one generate call through a forward pre-hook on the model."""
+    """Times the decode phase of one generate call through forward hooks on the model.
+
+    Besides decode tokens/s it gives the host time per step spent outside the model (preparing inputs,
+    processors, choosing the token, stop checks): the one part of a step in which the two arms differ, and
+    a measure that stays stable on a noisy machine because it is taken between adjacent forwards.
+    """
 
     def __init__(self, model):
         import torch
 
-        self.starts = []
+        self.starts, self.ends = [], []
         self.cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
-        self.handle = model.register_forward_pre_hook(self._hook)
+        self.handles = [model.register_forward_pre_hook(lambda *a: self._mark(self.starts)),
+                        model.register_forward_hook(lambda *a: self._mark(self.ends))]
 
-    def _hook(self, module, args):
+    def _mark(self, marks):
         if self.cuda:
             import torch
 
             torch.cuda.synchronize()
-        self.starts.append(time.perf_counter())
+        marks.append(time.perf_counter())
 
     def measure(self, fn, batch: int):
-        """Run ``fn``; returns ``(result, decode tokens/s)``."""
+        """Run ``fn``; returns ``(result, decode tokens/s, median host seconds per decode step outside the model)``."""
         self.starts.clear()
+        self.ends.clear()
         result = fn()
         end = time.perf_counter()
         decode_forwards = len(self.starts) - 1
-        return result, batch * decode_forwards / (end - self.starts[1])
+        gaps = [self.starts[i + 1] - self.ends[i] for i in range(1, len(self.starts) - 1)]
+        return result, batch * decode_forwards / (end - self.starts[1]), statistics.median(gaps)
 
 
 def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: float):
@@ -136,15 +144,17 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
                                       do_sample=False)
 
         ours(2), hf(2)  # warm-up
-        speeds = {"ours": [], "hf": []}
+        speeds, host = {"ours": [], "hf": []}, {"ours": [], "hf": []}
         internal, tokens = [], {}
         for _ in range(repeats):
-            out, speed = clock.measure(lambda: ours(new_tokens), batch)
+            out, speed, gap = clock.measure(lambda: ours(new_tokens), batch)
             speeds["ours"].append(speed)
+            host["ours"].append(gap)
             internal.append(out.stats)
             tokens["ours"] = [s.token_ids for s in out.sequences]
-            out, speed = clock.measure(lambda: hf(new_tokens), batch)
+            out, speed, gap = clock.measure(lambda: hf(new_tokens), batch)
             speeds["hf"].append(speed)
+            host["hf"].append(gap)
             tokens["hf"] = [row[ids.shape[1]:].tolist() for row in out]
         result = {"quant": "nf4" if quant == "nf4" else "bf16", "batch": batch, "new_tokens": new_tokens,
                   "repeats": repeats, "same_tokens": tokens["ours"] == tokens["hf"], "weight_bytes_per_step": weights,
@@ -152,6 +162,7 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
         for arm in ("ours", "hf"):
             result[f"{arm}_decode_tokens_per_s_runs"] = speeds[arm]
             result[f"{arm}_decode_tokens_per_s"] = statistics.median(speeds[arm])
+            result[f"{arm}_host_ms_per_step"] = 1000 * statistics.median(host[arm])
             result[f"{arm}_fraction_of_ceiling"] = result[f"{arm}_decode_tokens_per_s"] / result["ceiling_tokens_per_s"]
         result["ratio"] = result["ours_decode_tokens_per_s"] / result["hf_decode_tokens_per_s"]
         result["ours_internal_decode_tokens_per_s"] = statistics.median(s.decode_tokens_per_s for s in internal)
@@ -159,8 +170,10 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
         result["kv_cache_bytes"] = internal[-1].kv_cache_bytes
         rows.append(result)
         print(f"  {result['quant']} batch {batch}: ours {result['ours_decode_tokens_per_s']:.1f} tok/s, "
-              f"HF {result['hf_decode_tokens_per_s']:.1f} tok/s, ratio {result['ratio']:.3f}", flush=True)
-    clock.handle.remove()
+              f"HF {result['hf_decode_tokens_per_s']:.1f} tok/s, ratio {result['ratio']:.3f}; host ms/step "
+              f"ours {result['ours_host_ms_per_step']:.1f}, HF {result['hf_host_ms_per_step']:.1f}", flush=True)
+    for handle in clock.handles:
+        handle.remove()
     del model, sampler
     gc.collect()
     return rows
@@ -195,10 +208,11 @@ def main() -> None:
     for quant in args.quants.split(","):
         rows.extend(bench_model(quant, batches, new_tokens, repeats, bandwidth))
     print_table(f"decode tokens/s, greedy, {new_tokens} new tokens, median of {repeats} (ours vs transformers)",
-                ["weights", "batch", "ours tok/s", "HF tok/s", "ratio", "ceiling tok/s", "ours frac", "HF frac",
-                 "same tokens"],
+                ["weights", "batch", "ours tok/s", "HF tok/s", "ratio", "host ms/step ours|HF", "ceiling tok/s",
+                 "ours frac", "HF frac", "same tokens"],
                 [[r["quant"], r["batch"], f"{r['ours_decode_tokens_per_s']:.1f}", f"{r['hf_decode_tokens_per_s']:.1f}",
-                  f"{r['ratio']:.3f}", f"{r['ceiling_tokens_per_s']:.1f}", f"{r['ours_fraction_of_ceiling']:.1%}",
+                  f"{r['ratio']:.3f}", f"{r['ours_host_ms_per_step']:.1f} | {r['hf_host_ms_per_step']:.1f}",
+                  f"{r['ceiling_tokens_per_s']:.1f}", f"{r['ours_fraction_of_ceiling']:.1%}",
                   f"{r['hf_fraction_of_ceiling']:.1%}", r["same_tokens"]] for r in rows])
     save_json("sampler", {"benchmark": "sampler", "environment": environment(), "copy_bandwidth_bytes_per_s": bandwidth,
                           "settings": {"new_tokens": new_tokens, "repeats": repeats, "batches": batches,
