@@ -1,6 +1,7 @@
 """Decode tokens/s of qwenft's KV-cached sampler vs transformers' ``model.generate``, greedy, same model.
 
-For each weight format (bf16, NF4 with bf16 compute) of the embedded Qwen2.5 0.5B model and each batch size
+For each weight format (bf16; NF4 with the configured ``quant.compute_dtype``, ``auto`` by default: bf16
+where bf16 matmuls are native, float32 elsewhere) of the embedded Qwen2.5 0.5B model and each batch size
 (1, 8), the two arms alternate in one process (ours, HF, ours, HF, ...) so that machine noise hits both.
 Both generate exactly N new tokens (``min_new_tokens = max_new_tokens = N``, greedy, the model's own
 repetition_penalty) from the same chat prompts. Decode time is measured the same way for both arms, by a
@@ -126,6 +127,7 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
     model.eval()
     sampler = Sampler(model, tokenizer, config.generate)
     weights = weight_bytes_per_step(model)
+    compute_dtype = model.lm_head.weight.dtype  # a layer bitsandbytes leaves unquantized
     floor_s = weights / bandwidth
     rows = []
     clock = DecodeClock(model)
@@ -157,6 +159,7 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
             host["hf"].append(gap)
             tokens["hf"] = [row[ids.shape[1]:].tolist() for row in out]
         result = {"quant": "nf4" if quant == "nf4" else "bf16", "batch": batch, "new_tokens": new_tokens,
+                  "compute_dtype": str(compute_dtype).replace("torch.", ""),
                   "repeats": repeats, "same_tokens": tokens["ours"] == tokens["hf"], "weight_bytes_per_step": weights,
                   "floor_s_per_step": floor_s, "ceiling_tokens_per_s": batch / floor_s}
         for arm in ("ours", "hf"):

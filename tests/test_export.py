@@ -391,9 +391,12 @@ def test_failed_verification_exits_1_and_writes_nothing(tmp_path, adapters, monk
 
 def _start_paused_merge(adapter: Path, out: Path):
     env = dict(os.environ, QWENFT_TEST_MERGE_PAUSE="120", PYTHONUNBUFFERED="1")
+    # A runner started in the background inherits SIGINT as ignored, and Python then installs no Ctrl-C
+    # handler: give the child the default disposition, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-m", "qwenft", "merge", f"adapter={adapter}", f"out={out}",
                              "merge.dtype=float32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     for line in proc.stderr:  # the hook announces itself once the shards are written
         if "test hook: pausing" in line:
