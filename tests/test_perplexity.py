@@ -117,6 +117,6 @@ def test_embedded_model_wikitext_perplexity(shared_data, embedded_dir):
     print(f"embedded Qwen2.5-Coder-0.5B-Instruct (bf16) WikiText-2 perplexity over {got.tokens} tokens: "
           f"{got.perplexity:.2f}")
     # Published WikiText-2 perplexities of ~0.5B LMs lie around 10-30 (GPT-2 124M: ~30 at 1024 context);
-    # a code-tuned, instruction-tuned, 4-bit-sourced 0.5B model lands higher. Outside 5-60 means a bug
-    # (e.g. shifted labels give hundreds, scoring padding gives near 1).
-    assert math.isfinite(got.perplexity) and 5.0 < got.perplexity < 60.0
+    # a code-tuned, instruction-tuned, 4-bit-sourced 0.5B model lands higher. Outside 3-150 means a bug
+    # (labels off by one give thousands, scoring padding or the context gives near 1).
+    assert math.isfinite(got.perplexity) and 3.0 < got.perplexity < 150.0
