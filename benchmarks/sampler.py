@@ -112,7 +112,7 @@ class DecodeClock:
         return result, batch * decode_forwards / (end - self.starts[1]), statistics.median(gaps)
 
 
-def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: float):
+def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: float, model_preset=None):
     import torch
 
     from qwenft.cli import validate
@@ -122,7 +122,8 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
     from qwenft.sampler import Sampler
 
     register_resolvers()
-    config = validate("generate", [f"quant={quant}", "model.dtype=bfloat16"])[0]
+    preset = [f"model={model_preset}"] if model_preset else []
+    config = validate("generate", [*preset, f"quant={quant}", "model.dtype=bfloat16"])[0]
     model, tokenizer = load_model(config, device="cpu")
     model.eval()
     sampler = Sampler(model, tokenizer, config.generate)
@@ -195,6 +196,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per arm (default 3)")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--quants", default="none,nf4", help="comma-separated: none (bf16) and/or nf4")
+    parser.add_argument("--model", default=None,
+                        help="model preset (conf/model, e.g. tiny-random for a smoke run); default: the embedded 0.5B")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); 1 avoids oversubscription on a shared machine")
     args = parser.parse_args()
@@ -209,7 +212,7 @@ def main() -> None:
     print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write)", flush=True)
     rows = []
     for quant in args.quants.split(","):
-        rows.extend(bench_model(quant, batches, new_tokens, repeats, bandwidth))
+        rows.extend(bench_model(quant, batches, new_tokens, repeats, bandwidth, args.model))
     print_table(f"decode tokens/s, greedy, {new_tokens} new tokens, median of {repeats} (ours vs transformers)",
                 ["weights", "batch", "ours tok/s", "HF tok/s", "ratio", "host ms/step ours|HF", "ceiling tok/s",
                  "ours frac", "HF frac", "same tokens"],
@@ -221,7 +224,7 @@ def main() -> None:
                           "settings": {"new_tokens": new_tokens, "repeats": repeats, "batches": batches,
                                        "quants": args.quants, "threads": _threads(),
                                        "decoding": "greedy, min_new_tokens=max_new_tokens",
-                                       "model": "embedded Qwen2.5-Coder-0.5B-Instruct"},
+                                       "model": args.model or "embedded Qwen2.5-Coder-0.5B-Instruct"},
                           "results": rows, "target": "ratio >= 1.0"})
 
 

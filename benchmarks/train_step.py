@@ -1,6 +1,6 @@
 """Seconds per step and tokens/s of qwenft's training path vs a plain transformers Trainer + peft script.
 
-Same model (default: the embedded Qwen2.5 0.5B in NF4, bf16 compute), same tokenized rows, batch, steps,
+Same model (default: the embedded Qwen2.5 0.5B in NF4, compute dtype as qwenft resolves `auto`), same tokenized rows, batch, steps,
 LoRA settings, optimizer and gradient checkpointing; the two arms alternate (A B A B ...) in one process so
 that machine noise hits both. The first step of every arm is warm-up and not counted. Target: qwenft/plain
 seconds per step <= 1.05.
@@ -66,15 +66,18 @@ def plain_arm(config, steps: int, tmp: Path, train_rows):
     from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForSeq2Seq,
                               Trainer, TrainingArguments)
 
-    from qwenft.model import resolve_model_dir
+    from qwenft.model import native_bf16, resolve_model_dir, torch_dtype
 
     path = resolve_model_dir(config.model)
+    # The same numeric settings as qwenft's `auto` choices, so only the code path differs: bf16 compute and
+    # autocast where bf16 is native, fp32 elsewhere (bf16 GEMMs on an AVX2-only CPU are ~20x slower).
+    compute = torch_dtype(config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     quant = None
     if config.quant.method == "nf4":
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.bfloat16)
-    dtype = torch.bfloat16 if quant is not None else getattr(torch, config.model.dtype)
+                                   bnb_4bit_compute_dtype=compute)
+    dtype = compute
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant, device_map={"": "cpu"})
     if quant is not None:
         for module in model.modules():  # the same bitsandbytes CPU setting qwenft applies
@@ -91,7 +94,7 @@ def plain_arm(config, steps: int, tmp: Path, train_rows):
                              learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,
                              optim="adamw_torch", save_strategy="no", report_to=[], logging_steps=t.logging_steps,
                              remove_unused_columns=False, use_cpu=True, disable_tqdm=True, seed=t.seed,
-                             bf16=quant is not None or config.model.dtype == "bfloat16")
+                             bf16=compute == torch.bfloat16 and native_bf16("cpu"))
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, data_collator=collator)
     timer = StepTimer()
@@ -136,7 +139,7 @@ def main() -> None:
     rows = [(arm, f"{med[arm]:.3f}", f"{tokens_per_step / med[arm]:.1f}", len(results[arm])) for arm in med]
     print_table("train step (median s/step)", ["arm", "s/step", "tokens/s", "steps timed"], rows)
     print(f"qwenft / plain seconds per step: {ratio:.3f} (target <= 1.05)")
-    save_json("train_step", {
+    save_json("train_step_quick" if opts.quick else "train_step", {
         "environment": environment(),
         "settings": {"model": config.model.name, "quant": config.quant.method, "batch": opts.batch,
                      "max_seq_len": opts.seq, "steps_per_arm": opts.steps, "rounds": opts.rounds,

@@ -117,7 +117,7 @@ def _compose_message(exc: BaseException) -> str:
     return first.replace("Error merging override ", "")
 
 
-_FREE_FORM = re.compile(r"^data\.sources\.\d+\.columns(\.[^=]+)?=")
+_FREE_FORM = re.compile(r"^(data\.sources\.\d+\.columns|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
 
 
 _TEXT_KEYS = ("prompt",)  # free text: taken literally, whatever characters it has
@@ -129,7 +129,8 @@ def free_form(overrides: Sequence[str]) -> List[str]:
 
     - ``data.sources.N.columns`` is a free-form mapping (format field -> file field): Hydra refuses new keys in
       a struct config unless the override starts with ``++``; the keys are checked against the format later
-      (:class:`qwenft.config.DataSource`).
+      (:class:`qwenft.config.DataSource`). So are ``dist.fsdp`` and ``dist.deepspeed`` (passed through to
+      transformers' ``fsdp_config`` / ``deepspeed``).
     - ``prompt=春天``: free text is quoted for Hydra (unquoted non-ASCII, spaces or ``,`` would be refused).
     - ``inspect.layers=0,12,23`` is a list, not a multirun sweep.
     """
@@ -236,11 +237,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     register_resolvers()
     parsed = _parse_hydra_args(rest)
+    launch: List[str] = []
     if not (parsed.help or parsed.cfg or parsed.info):
+        from qwenft.dist import launch_overrides, preflight
+
         try:
-            validate(command, free_form(parsed.overrides), multirun=parsed.multirun)
-        except ConfigError as exc:
+            configs = validate(command, free_form(parsed.overrides), multirun=parsed.multirun)
+            preflight(configs[0], command)  # a missing package or GPU stops here, before Hydra writes anything
+        except QwenftError as exc:
             fail(str(exc))
         _resolve(command)  # an unimplemented command stops here, before Hydra writes anything
+        if command == "train":  # under torchrun / accelerate launch: one run directory for all ranks
+            try:
+                launch = launch_overrides(configs[0], parsed.multirun)
+            except QwenftError as exc:
+                fail(str(exc))
     flags = [a for a in rest if a not in parsed.overrides]
-    _run_hydra(command, free_form(parsed.overrides), flags)
+    _run_hydra(command, [*free_form(parsed.overrides), *launch], flags)

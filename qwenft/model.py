@@ -13,6 +13,7 @@ Weights are only ever read from safetensors and ``trust_remote_code`` is never s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -20,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
@@ -219,19 +221,23 @@ def default_device() -> str:
     return "cpu"
 
 
-def quantization_config(qcfg: QuantConfig):
+def quantization_config(qcfg: QuantConfig, storage: str = "uint8"):
     """The bitsandbytes config for ``quant=nf4`` (None for ``quant=none``).
 
     NF4 with double quantization of the absmax scales and a 16-bit compute dtype is the QLoRA recipe
-    (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", sections 2-3).
+    (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", sections 2-3). ``storage``
+    (``dist.quant_storage``) is the dtype the packed 4-bit values are stored in: ``uint8`` normally, a float
+    dtype for FSDP / ZeRO-3, which shard only floating-point tensors (bitsandbytes ``bnb_4bit_quant_storage``).
     """
     if qcfg.method == "none":
         return None
+    import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_use_double_quant=qcfg.double_quant,
-                              bnb_4bit_compute_dtype=torch_dtype(qcfg.compute_dtype))
+                              bnb_4bit_compute_dtype=torch_dtype(qcfg.compute_dtype),
+                              bnb_4bit_quant_storage=getattr(torch, storage))
 
 
 def _disable_cpu_repacking(model) -> int:
@@ -267,22 +273,40 @@ def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
     Returns:
         ``(model, tokenizer)``.
 
-    Raises:
-        QwenftError: an unusable source (see :func:`resolve_model_dir`), or a tokenizer larger than the
-            embedding matrix.
-    """
-    from transformers import AutoModelForCausalLM
+    ``model.rope_scaling`` is written into the model config before the model is built
+    (:func:`qwenft.rope.apply_rope_scaling`); training with ``data.max_seq_len`` beyond the model's context
+    logs a warning. Under a distributed launch each rank loads its own copy onto its own device
+    (``cuda:LOCAL_RANK``, :func:`default_device`; a CPU for all ranks without CUDA).
 
+    Raises:
+        QwenftError: an unusable source (see :func:`resolve_model_dir`), a tokenizer larger than the
+            embedding matrix, or an attention implementation that cannot run on ``device``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qwenft.dist import check_attention
+    from qwenft.rope import apply_rope_scaling, context_warning
+
+    device = device or default_device()
+    check_attention(cfg.model.attn_implementation, device)
     model_dir = resolve_model_dir(cfg.model)
     revision = cfg.model.revision if cfg.model.source == "hub" else None
     tokenizer = load_tokenizer(model_dir, revision)
-    device = device or default_device()
-    bnb = quantization_config(cfg.quant)
-    dtype = torch_dtype(cfg.quant.compute_dtype if bnb is not None else cfg.model.dtype, device)
+    storage = cfg.dist.quant_storage
+    bnb = quantization_config(cfg.quant, storage)
+    if bnb is not None and storage != "uint8":  # sharded QLoRA: the other weights share the 4-bit storage dtype
+        dtype = torch_dtype(storage, device)
+    else:
+        dtype = torch_dtype(cfg.quant.compute_dtype if bnb is not None else cfg.model.dtype, device)
     kwargs = {"revision": revision} if revision else {}
+    hf_config = AutoConfig.from_pretrained(model_dir, **kwargs)
+    warning = context_warning(cfg.data.max_seq_len, hf_config.max_position_embeddings, cfg.model.rope_scaling)
+    if warning and cfg.command == "train":
+        log.warning("%s", warning)
+    apply_rope_scaling(hf_config, cfg.model.rope_scaling)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, quantization_config=bnb, attn_implementation=cfg.model.attn_implementation,
-        device_map={"": device}, use_safetensors=True, **kwargs)
+        model_dir, config=hf_config, dtype=dtype, quantization_config=bnb,
+        attn_implementation=cfg.model.attn_implementation, device_map={"": device}, use_safetensors=True, **kwargs)
     if bnb is not None and device == "cpu":
         _disable_cpu_repacking(model)
     rows = model.get_input_embeddings().weight.shape[0]
@@ -298,6 +322,50 @@ def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
     return model, tokenizer
 
 
+def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = None) -> int:
+    """Replace every bitsandbytes ``Linear4bit`` of ``model`` by a plain ``nn.Linear`` holding its dequantized weight.
+
+    For inference only (evaluation, generation; the model must not be trained afterwards). bitsandbytes
+    dequantizes each 4-bit weight again on every forward; on a CPU that costs more than the matmul itself
+    (measured on the 0.5B model, 2 cores: greedy decode ~1.3 tokens/s in NF4 vs several times that dense).
+    The new weights are ``dequantize_4bit(W)`` in the compute dtype: the same values the 4-bit layer
+    multiplies by, so outputs agree up to float rounding. LoRA layers wrapping a 4-bit base keep working
+    (peft calls ``base_layer(x)``). Memory grows to the dense size of those layers.
+
+    Args:
+        qcfg: ``quant.dequantize_for_inference``: None = only when ``device`` is a CPU, True / False force.
+        device: where the model runs (default: :func:`default_device`).
+
+    Returns:
+        The number of layers replaced (0 when nothing was 4-bit or the setting said no).
+    """
+    flag = qcfg.dequantize_for_inference
+    if flag is None:
+        flag = (device or default_device()) == "cpu"
+    if not flag or qcfg.method == "none":
+        return 0
+    import bitsandbytes.functional as bnbf
+    import torch
+    from bitsandbytes.nn import Linear4bit
+
+    dtype = torch_dtype(qcfg.compute_dtype, device)
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear4bit)]
+    for name, module in targets:
+        weight = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+        dense = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                device=weight.device, dtype=dtype)
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+            if module.bias is not None:
+                dense.bias.copy_(module.bias.to(dtype))
+        dense.requires_grad_(False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, dense)
+    if targets:
+        log.info("dequantized %d 4-bit layers to %s for inference", len(targets), dtype)
+    return len(targets)
+
+
 def count_parameters(model) -> Tuple[int, int]:
     """``(trainable, total)`` parameter counts; a packed 4-bit weight counts its unpacked elements."""
     trainable = total = 0
@@ -311,12 +379,21 @@ def count_parameters(model) -> Tuple[int, int]:
     return trainable, total
 
 
-def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True):
+@contextlib.contextmanager
+def _peft_deprecations_quiet():
+    """peft 0.21 still calls transformers 5's deprecated ``*gradient_checkpointing*`` names: not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
+
+
+def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, keep_dtype: bool = False):
     """Wrap ``model`` with fresh LoRA adapters for training (a ``peft.PeftModel``).
 
-    A 4-bit base goes through peft's k-bit preparation (frozen base, fp32 norms, input grads).
-    Gradient checkpointing is non-reentrant, so LoRA weights still get gradients when the embeddings
-    are frozen; ``use_cache`` is off while training.
+    A 4-bit base goes through peft's k-bit preparation (frozen base, fp32 norms, input grads), unless
+    ``keep_dtype`` (sharded QLoRA, FSDP / ZeRO-3: the weights must keep the one storage dtype they are sharded
+    in, so the base is only frozen, as a 16-bit one is). Gradient checkpointing is non-reentrant, so LoRA
+    weights still get gradients when the embeddings are frozen; ``use_cache`` is off while training.
 
     Returns:
         The PEFT model; trainable and total parameter counts are logged.
@@ -325,20 +402,22 @@ def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True):
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     ckpt_kwargs = {"use_reentrant": False}
-    if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                gradient_checkpointing_kwargs=ckpt_kwargs)
+    if getattr(model, "is_loaded_in_4bit", False) and not keep_dtype:
+        with _peft_deprecations_quiet():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                    gradient_checkpointing_kwargs=ckpt_kwargs)
     else:
         for param in model.parameters():
             param.requires_grad_(False)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
             model.enable_input_require_grads()
     model.config.use_cache = False
     peft_config = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
                                  target_modules=list(lcfg.target_modules), bias=lcfg.bias,
                                  use_rslora=lcfg.use_rslora, use_dora=lcfg.use_dora, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, peft_config)
+    with _peft_deprecations_quiet():
+        peft_model = get_peft_model(model, peft_config)
     trainable, total = count_parameters(peft_model)
     log.info("LoRA r=%d alpha=%d on %s: %s trainable of %s parameters (%.3f%%)", lcfg.r, lcfg.lora_alpha,
              ",".join(lcfg.target_modules), f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1))

@@ -68,6 +68,8 @@ def _optim(config: Config) -> str:
 
     if config.train.optim != "auto":
         return config.train.optim
+    if config.dist.strategy in ("fsdp", "deepspeed"):  # bitsandbytes' paged states do not shard (peft's caveats)
+        return "adamw_torch"
     return "paged_adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
 
 
@@ -86,8 +88,10 @@ def _wandb_env(config: Config) -> None:
 
 
 def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bool):
-    """Map ``config.train`` onto ``transformers.TrainingArguments``."""
+    """Map ``config.train`` and ``config.dist`` onto ``transformers.TrainingArguments``."""
     from transformers import TrainingArguments
+
+    from qwenft.dist import training_kwargs
 
     t = config.train
     return TrainingArguments(
@@ -101,8 +105,9 @@ def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bo
         logging_strategy="steps", logging_steps=t.logging_steps, logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN must be seen (and stop the run), never averaged away
         neftune_noise_alpha=t.neftune_noise_alpha, report_to=["wandb"] if config.logger == "wandb" else [],
-        remove_unused_columns=False, label_names=["labels"], gradient_checkpointing=False,  # set up in attach_lora
-        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **_precision(config, model))
+        remove_unused_columns=False, label_names=["labels"], activation_checkpointing=False,  # set up in attach_lora
+        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **_precision(config, model),
+        **training_kwargs(config, _on_cuda(model)))
 
 
 def _on_cuda(model) -> bool:
@@ -147,14 +152,19 @@ def find_resume_checkpoint(config: Config, checkpoint_dir: Path) -> Optional[str
     return str(path)
 
 
-def save_adapter(model, tokenizer, config: Config, out_dir: Path) -> Path:
-    """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically."""
+def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None) -> Path:
+    """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically.
+
+    Call it on rank 0 only. ``state_dict``: the full model state gathered from the ranks when the weights are
+    sharded (FSDP, ZeRO-3; ``Accelerator.get_state_dict``); peft picks the adapter weights out of it.
+    """
     from qwenft.model import save_adapter_meta
 
     final = out_dir / "adapter"
     staging = Path(tempfile.mkdtemp(prefix=".tmp-adapter-", dir=out_dir))
     try:
-        model.save_pretrained(str(staging), safe_serialization=True)
+        extra = {"state_dict": state_dict} if state_dict is not None else {}
+        model.save_pretrained(str(staging), safe_serialization=True, **extra)
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
         save_adapter_meta(str(staging), config)
@@ -168,13 +178,16 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path) -> Path:
     return final
 
 
-def train_metrics(trainer, seconds: float) -> Dict[str, Any]:
-    """Loss curve and throughput from the Trainer's log history."""
+def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict[str, Any]:
+    """Loss curve and throughput from the Trainer's log history.
+
+    ``tokens``: non-padding tokens trained on by all ranks (default: this process's count).
+    """
     history = trainer.state.log_history
     losses = [{"step": h["step"], "loss": h["loss"], "lr": h.get("learning_rate")} for h in history if "loss" in h]
     evals = [{"step": h["step"], "eval_loss": h["eval_loss"], "eval_perplexity": math.exp(min(h["eval_loss"], 50))}
              for h in history if "eval_loss" in h]
-    tokens = trainer.tokens_seen
+    tokens = trainer.tokens_seen if tokens is None else tokens
     return {"global_step": trainer.state.global_step, "epochs": trainer.state.epoch, "loss_curve": losses,
             "eval_curve": evals, "final_loss": losses[-1]["loss"] if losses else None,
             "train_tokens": tokens, "train_seconds": round(seconds, 3),
@@ -183,6 +196,12 @@ def train_metrics(trainer, seconds: float) -> Dict[str, Any]:
 
 def run(config: Config) -> Path:
     """``qwenft train``: load, attach LoRA, build data, train, save the adapter, then evaluate.
+
+    Under a distributed launch (``torchrun`` / ``accelerate launch``, see :mod:`qwenft.dist`) every rank runs this
+    function: each loads its model copy on its own device and builds the same data (rank 0 first), the Trainer
+    runs DDP / FSDP / DeepSpeed, and only rank 0 writes config.yaml, adapter/, metrics.json and the report. The
+    evaluation after training runs on rank 0 alone, after the other ranks have left (with FSDP / ZeRO-3, whose
+    rank holds only part of the weights, it is skipped: run ``qwenft eval adapter=<run>/adapter`` in one process).
 
     Returns:
         The run directory.
@@ -195,38 +214,61 @@ def run(config: Config) -> Path:
     from transformers import set_seed
 
     from qwenft import data as data_lib
-    from qwenft.model import attach_lora, load_model
+    from qwenft import dist
+    from qwenft.model import attach_lora, default_device, load_model
 
     if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
         from qwenft.evaluate.run import check_ppl_sources, generate_preset
 
         generate_preset(config)
         check_ppl_sources(config)
+    dist.check_strategy(config, default_device().startswith("cuda"))  # the CLI checked already; library callers
+    dist.init_process_group(config.dist)
+    main = dist.is_main_process()
+    if not main:  # the other ranks log warnings only (the Trainer does the same for transformers' logs)
+        logging.getLogger("qwenft").setLevel(logging.WARNING)
     out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
     checkpoint_dir = out_dir / "checkpoints"
-    checkpoint_dir.mkdir(exist_ok=True)
-    for stale in checkpoint_dir.glob(".tmp-*"):  # left by a process killed while saving
-        shutil.rmtree(stale, ignore_errors=True)
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+        checkpoint_dir.mkdir(exist_ok=True)
+        for stale in checkpoint_dir.glob(".tmp-*"):  # left by a process killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
     resume_from = find_resume_checkpoint(config, checkpoint_dir)
     if config.logger == "wandb":
-        _wandb_env(config)
+        _wandb_env(config)  # the Trainer's W&B callback starts a run on rank 0 only
 
+    log.info("distributed: %s", dist.describe(config))
     model, tokenizer = load_model(config)
-    bundle = data_lib.build(config, tokenizer)
+    with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
+        bundle = data_lib.build(config, tokenizer)
     set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
-    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
+    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
+                        keep_dtype=config.dist.quant_storage != "uint8")
     trainer = make_trainer(config, model, tokenizer, bundle, checkpoint_dir)
     log.info("training: %d examples, run directory %s", len(bundle.train), out_dir)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume_from)
     seconds = time.perf_counter() - start
-    adapter_dir = save_adapter(model, tokenizer, config, out_dir)
-    metrics = {"train": train_metrics(trainer, seconds), "data": bundle.stats}
-    atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))
-    log.info("adapter saved to %s", adapter_dir)
-    if config.eval.after_train:
+    sharded = dist.shards_weights(config.dist)
+    # every rank takes part in gathering sharded weights; with DDP (or one process) each already holds them all
+    state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped) if sharded else None
+    tokens = dist.sum_over_ranks(trainer.tokens_seen)
+    if main:
+        adapter_dir = save_adapter(model, tokenizer, config, out_dir, state_dict=state_dict)
+        metrics = {"train": train_metrics(trainer, seconds, tokens), "data": bundle.stats}
+        atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))
+        log.info("adapter saved to %s", adapter_dir)
+    dist.barrier()  # the adapter and metrics exist before any rank returns
+    dist.destroy()  # nothing collective follows: rank 0 evaluates alone, the others are done
+    if not main:
+        return out_dir
+    if config.eval.after_train and sharded:
+        log.warning("eval.after_train is skipped with dist=%s (each rank holds part of the weights); evaluate in "
+                    "one process: python -m qwenft eval adapter=%s", config.dist.name, out_dir / "adapter")
+    elif config.eval.after_train:
         _evaluate_after_train(config, model, tokenizer, bundle)
     print(f"run directory: {out_dir}")
     return out_dir

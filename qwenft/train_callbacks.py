@@ -59,6 +59,10 @@ class QwenftTrainer(Trainer):
         loss = torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
         denominator = num_items_in_batch if num_items_in_batch is not None else keep.sum()
         loss = loss / torch.as_tensor(denominator, device=loss.device).clamp(min=1)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            # num_items_in_batch counts the labels of all ranks and DDP averages the gradients over the ranks:
+            # times world_size, the update is the token-weighted mean over the global batch (as Trainer.compute_loss)
+            loss = loss * self.accelerator.num_processes
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -82,21 +86,37 @@ class QwenftTrainer(Trainer):
         return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
+        from qwenft import dist
+
         root = super()._get_output_dir(trial)
-        os.makedirs(root, exist_ok=True)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self._staging = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+        main = self.args.process_index == 0
+        if self.args.world_size > 1:
+            # All ranks write into one staging folder (their RNG states; with FSDP / DeepSpeed their shards), which
+            # rank 0 renames once every rank is done.
+            self._staging = os.path.join(root, f".tmp-{name}")
+            if main:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                os.makedirs(self._staging)
+            dist.barrier()
+        else:
+            os.makedirs(root, exist_ok=True)
+            self._staging = tempfile.mkdtemp(prefix=".tmp-", dir=root)
         try:
             super()._save_checkpoint(model, trial)
-            final = os.path.join(root, name)
-            if os.path.exists(final):  # the same step saved again (e.g. after a resume)
-                shutil.rmtree(final)
-            os.replace(os.path.join(self._staging, name), final)
+            dist.barrier()
+            if main:
+                final = os.path.join(root, name)
+                if os.path.exists(final):  # the same step saved again (e.g. after a resume)
+                    shutil.rmtree(final)
+                os.replace(os.path.join(self._staging, name), final)
         finally:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            if main:
+                shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
         if self.args.should_save:
             rotate_checkpoints(output_dir=root, save_total_limit=self.args.save_total_limit, use_mtime=False)
+        dist.barrier()  # no rank goes on before checkpoint-N exists
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         now = time.perf_counter()

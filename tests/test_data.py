@@ -468,3 +468,23 @@ def test_cli_data_command(tmp_path, monkeypatch, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("qwenft: error: nope.jsonl: no such file (resolved to " + str(tmp_path))
+
+
+def test_evaluation_only_sources(tiny, tmp_path, monkeypatch, capsys):
+    """Every weight 0: build gives no training rows and all held-out rows; `train` refuses it, `data` previews it."""
+    from qwenft.cli import main
+    from tests.conftest import compose_config
+
+    rows = write_jsonl(tmp_path / "held.jsonl", qa_rows(5))
+    only = DataSource(name="held", path=str(rows), weight=0.0, eval_rows=5)
+    bundle = build(Config(command="eval", data=DataConfig(sources=[only], cache=False)), tiny)
+    assert len(bundle.train) == 0 and len(bundle.eval) == 5 == len(bundle.eval_rows["held"])
+    assert bundle.stats["train_examples"] == 0 and 0 < bundle.stats["supervised_share"] < 1
+    assert bundle.sample["source"] == "held" and bundle.sample["input_ids"] == bundle.eval[0]["input_ids"]
+    sources = f"data.sources=[{{name: held, path: {rows}, weight: 0.0, eval_rows: 5}}]"
+    compose_config("model=tiny-random", sources, command="eval")  # accepted for eval
+    with pytest.raises(ConfigError, match="data.sources.weight=.*at least one weight must be > 0 to train"):
+        compose_config("model=tiny-random", sources, command="train")
+    main(["data", "model=tiny-random", "data.cache=false", sources])
+    out = capsys.readouterr().out
+    assert "training examples: 0 (evaluation only" in out and "⟦answer" in out

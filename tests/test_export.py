@@ -135,6 +135,19 @@ def test_resolve_base_rule(tmp_path):
     assert model == other.model and quant.method == "none" and "no qwenft.json" in why
 
 
+def test_merge_base_keeps_the_trained_rope_scaling(tmp_path):
+    """A base trained with model.rope_scaling is merged with it: the exported config.json keeps the context."""
+    from qwenft.export.build import load_base, resolve_base
+
+    yarn = "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 2048}"
+    save_adapter_meta(tmp_path, compose_config("model=tiny-random", "quant=none", yarn))
+    plain = compose_config(command="merge")
+    model_cfg, _, _ = resolve_base(plain.model, plain.quant, tmp_path)
+    assert model_cfg.rope_scaling.rope_type == "yarn" and model_cfg.rope_scaling.factor == 4.0
+    model, _, _ = load_base(model_cfg, plain.merge, "cpu")
+    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.max_position_embeddings == 8192
+
+
 def test_user_errors_name_the_producing_command(tmp_path):
     from qwenft.export import merge
 

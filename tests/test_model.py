@@ -155,3 +155,36 @@ def test_embedded_model(embedded_dir):
     assert info["layers"] == 24 and info["rows"] == 151936
     assert info["prompt"].startswith("<|im_start|>system\n") and info["prompt"].endswith("<|im_start|>assistant\n")
     assert set(info["eos"]) == {151645, 151643} and info["pad"] == 151643
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_dequantize_for_inference_keeps_base_and_tuned_outputs(flag):
+    """The dense copies multiply by the same NF4 values: base and LoRA logits are unchanged."""
+    from bitsandbytes.nn import Linear4bit
+
+    from qwenft.model import dequantize_for_inference
+
+    torch.manual_seed(0)
+    cfg = compose_config("model=tiny-random", "quant=nf4", f"quant.dequantize_for_inference={str(flag).lower()}")
+    model, _ = load_model(cfg)
+    model = attach_lora(model, cfg.lora, gradient_checkpointing=False)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make the adapter change something
+            torch.nn.init.normal_(param, std=0.05)
+    model.eval()
+    ids = torch.randint(0, 200, (3, 11))
+    with torch.no_grad():
+        tuned = model(ids).logits
+        with model.disable_adapter():
+            base = model(ids).logits
+    assert (tuned - base).abs().max() > 1e-3  # the adapter matters, so the comparison below can fail
+    replaced = dequantize_for_inference(model, cfg.quant, "cpu")
+    n_4bit = sum(isinstance(m, Linear4bit) for m in model.modules())
+    assert (replaced, n_4bit) == ((14, 0) if flag else (0, 14))  # 2 layers x 7 projections
+    with torch.no_grad():
+        tuned2 = model(ids).logits
+        with model.disable_adapter():
+            base2 = model(ids).logits
+    # bitsandbytes' CPU path is dequantize_4bit + F.linear: same values, same kernel, so 1e-6 is float noise room
+    torch.testing.assert_close(tuned2, tuned, rtol=0, atol=1e-6)
+    torch.testing.assert_close(base2, base, rtol=0, atol=1e-6)

@@ -85,9 +85,13 @@ def preview(config: Config) -> None:
     tokens = stats["tokens"]
     ratio = " : ".join(f"{c['used']}" for c in stats["sources"].values() if c["weight"] > 0)
     shares = " / ".join(f"{c['share_achieved']:.3f}" for c in stats["sources"].values() if c["weight"] > 0)
-    console.print(f"training examples: {stats['train_examples']} ({ratio}, shares {shares})"
-                  + (f"; packed into {stats['train_rows']} rows of {stats['max_seq_len']} tokens, "
-                     f"fill {stats['pack_fill']:.1%}" if stats["packing"] else ""))
+    if not stats["train_examples"]:
+        console.print("training examples: 0 (evaluation only: every source has weight 0); the example below is "
+                      "held out")
+    else:
+        console.print(f"training examples: {stats['train_examples']} ({ratio}, shares {shares})"
+                      + (f"; packed into {stats['train_rows']} rows of {stats['max_seq_len']} tokens, "
+                         f"fill {stats['pack_fill']:.1%}" if stats["packing"] else ""))
     console.print(f"eval examples: {stats['eval_examples']} "
                   f"({', '.join(f'{n} {len(r)}' for n, r in bundle.eval_rows.items()) or 'none held out'})")
     console.print(f"tokens per example (before truncation): p50 {tokens['p50']}, p95 {tokens['p95']}, "
@@ -97,6 +101,8 @@ def preview(config: Config) -> None:
                   f"(train_on={config.data.train_on})")
     console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es)")
     sample = bundle.sample
+    if sample is None:
+        return
     markers = console.color_system is None
     console.rule(f"example: {sample['source']} row {sample['row']}, {len(sample['input_ids'])} tokens; "
                  + ("supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted"))

@@ -216,6 +216,32 @@ def _packed(selected, max_len: int):
     return datasets.Dataset.from_dict(out)
 
 
+def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: int, misses: int) -> DataBundle:
+    """The bundle of a run whose sources all have weight 0: an empty training set, the held-out rows."""
+    import datasets
+
+    empty = datasets.Dataset.from_dict({"input_ids": [], "labels": []})
+    evals = [held_out[n].select_columns(["input_ids", "labels"]) for n in held_out if len(held_out[n])]
+    eval_ds = datasets.concatenate_datasets(evals) if evals else empty
+    lengths = [len(ids) for ids in eval_ds["input_ids"]]
+    supervised = sum(sum(label != -100 for label in labels) for labels in eval_ds["labels"])
+    sample = None
+    if len(eval_ds):
+        name = next(n for n in held_out if len(held_out[n]))
+        sample = {"source": name, "row": eval_rows[name][0].get("row"), "input_ids": eval_ds[0]["input_ids"],
+                  "labels": eval_ds[0]["labels"]}
+    for counts in per_source.values():
+        counts.update(used=0, repeats=0, share_target=0.0, share_achieved=0.0)
+    stats = {"sources": per_source, "train_examples": 0, "train_rows": 0, "eval_examples": len(eval_ds),
+             "tokens": _percentiles(lengths), "max_seq_len": dcfg.max_seq_len, "truncated": 0, "dropped": 0,
+             "skipped": sum(c["skipped"] for c in per_source.values()),
+             "supervised_share": round(supervised / max(sum(lengths), 1), 6),
+             "packing": dcfg.packing, "pack_fill": None, "cache_hits": hits, "cache_misses": misses}
+    log.info("data: evaluation only (every source has weight 0): %d eval examples", len(eval_ds))
+    return DataBundle(train=empty, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
+                      train_row_ids={})
+
+
 def build(config: Config, tokenizer) -> DataBundle:
     """Build the training and eval datasets of ``config.data``.
 
@@ -271,6 +297,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         counts["usable"] = len(usable[src.name]) if src.name in usable else 0
         per_source[src.name] = counts
 
+    if not usable:  # evaluation-only sources (every weight 0): nothing to mix, only held-out rows
+        return _eval_only_bundle(held_out, eval_rows, per_source, dcfg, hits, misses)
     weights = {src.name: src.weight for src in dcfg.sources}
     available = {name: len(ds) for name, ds in usable.items()}
     counts_used = mix_counts(available, {n: weights[n] for n in available})

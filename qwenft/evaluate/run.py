@@ -133,11 +133,17 @@ def check_ppl_sources(config: Config) -> None:
 def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict[str, Any]:
     """Evaluate ``sides`` (``base`` and/or ``tuned``) of ``model`` on the bundle's held-out rows.
 
+    On a CPU a 4-bit base is first dequantized once (:func:`qwenft.model.dequantize_for_inference`), so
+    ``model`` is for inference only afterwards.
+
     Returns:
         ``{"sources": {name: {side: summary}}, "perplexity": {name: {side: {...}}}, "rows": {name: [...]}}``.
     """
+    from qwenft.model import dequantize_for_inference
+
     settings = generate_preset(config)
     model.eval()
+    dequantize_for_inference(model, config.quant, str(next(model.parameters()).device.type))
     model.config.use_cache = True  # training switched the cache off
     limit = config.eval.max_eval_prompts
     # Generation needs a conversation; held-out rows of `text` sources only count in perplexity.

@@ -18,7 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from qwenft.config import ConfigError, MergeConfig, ModelConfig, QuantConfig, QwenftError, TinyModelConfig
+from qwenft.config import (ConfigError, MergeConfig, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
+                           TinyModelConfig)
 from qwenft.model import (ADAPTER_META, load_adapter, load_tokenizer, read_adapter_meta, resolve_model_dir,
                           resolve_dtype, stop_token_ids, torch_dtype)
 
@@ -39,6 +40,8 @@ def _from_meta(section: str, cls: Any, values: dict, source: Path) -> Any:
         if cls is ModelConfig and isinstance(kwargs.get("tiny"), dict):
             kwargs["tiny"] = TinyModelConfig(**{k: v for k, v in kwargs["tiny"].items()
                                                 if k in {f.name for f in dataclasses.fields(TinyModelConfig)}})
+        if cls is ModelConfig and isinstance(kwargs.get("rope_scaling"), dict):
+            kwargs["rope_scaling"] = RopeScalingConfig(**kwargs["rope_scaling"])
         return cls(**kwargs)
     except (ConfigError, TypeError) as exc:
         raise QwenftError(f"{source}: '{section}' is not a valid {section} config ({exc})") from None
@@ -79,14 +82,18 @@ def load_base(mcfg: ModelConfig, merge: MergeConfig, device: str):
     Raises:
         QwenftError: an unusable source, or a checkpoint that is itself quantized (merge needs 16-bit weights).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qwenft.rope import apply_rope_scaling
 
     model_dir = resolve_model_dir(mcfg)
     revision = mcfg.revision if mcfg.source == "hub" else None
     tokenizer = load_tokenizer(model_dir, revision)
     kwargs = {"revision": revision} if revision else {}
+    hf_config = AutoConfig.from_pretrained(model_dir, **kwargs)
+    apply_rope_scaling(hf_config, mcfg.rope_scaling)  # the merged config.json keeps the trained context
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch_dtype(merge.dtype), attn_implementation=mcfg.attn_implementation,
+        model_dir, config=hf_config, dtype=torch_dtype(merge.dtype), attn_implementation=mcfg.attn_implementation,
         device_map={"": device}, use_safetensors=True, **kwargs)
     if getattr(model.config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
         raise QwenftError(f"{model_dir}: the base checkpoint is itself quantized; merge needs a 16-bit base "

@@ -150,7 +150,7 @@ def generate_command(config: Config) -> None:
         raise QwenftError("prompt: empty prompt")
 
     from qwenft.generation.generate import Sampler
-    from qwenft.model import check_adapter_dir, default_device, load_adapter, load_model
+    from qwenft.model import check_adapter_dir, default_device, dequantize_for_inference, load_adapter, load_model
 
     if config.adapter:
         check_adapter_dir(config.adapter)  # before the (slow) model load
@@ -159,6 +159,7 @@ def generate_command(config: Config) -> None:
     if config.adapter:
         model = load_adapter(model, config.adapter)
     model.eval()
+    dequantize_for_inference(model, config.quant, device)
     sampler = Sampler(model, tokenizer, config.generate)
     system_prompt = config.data.system_prompt
     if rows is None:

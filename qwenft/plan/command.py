@@ -67,7 +67,9 @@ def _largest_seq(arch: Architecture, setup: TrainSetup, batch: int, budget: int)
 def make_plan(config: Config) -> Dict[str, Any]:
     """The whole plan for ``config`` as a JSON-ready dict (all sizes in bytes, counts in parameters).
 
-    Keys: ``model`` (name, source of the numbers, architecture), ``parameters`` (by component),
+    Keys: ``model`` (name, source of the numbers, architecture with ``max_position_embeddings`` scaled by
+    ``model.rope_scaling``, the scaling and the original context), ``warnings`` (e.g. ``data.max_seq_len``
+    beyond the context without scaling), ``parameters`` (by component),
     ``weights`` (16-bit, as loaded, during training), ``lora``, ``training`` (the configured batch x seq with
     and without gradient checkpointing), ``kv_cache``, ``inference`` and ``budget`` (fits, largest batch per
     sequence length, longest sequence at the configured batch).
@@ -75,7 +77,14 @@ def make_plan(config: Config) -> Dict[str, Any]:
     Raises:
         QwenftError: the architecture cannot be read (see :func:`qwenft.plan.arch.resolve_architecture`).
     """
-    arch = resolve_architecture(config.model)
+    from qwenft.rope import context_warning, original_positions, scaled_positions
+
+    unscaled = resolve_architecture(config.model)
+    rope = config.model.rope_scaling
+    # model.rope_scaling stretches the usable context: plan up to the scaled max_position_embeddings
+    arch = dataclasses.replace(unscaled, max_position_embeddings=scaled_positions(unscaled.max_position_embeddings,
+                                                                                 rope))
+    warning = context_warning(config.data.max_seq_len, unscaled.max_position_embeddings, rope)
     pcfg = config.plan
     setup = TrainSetup.from_config(config, device=pcfg.device)
     nf4 = setup.nf4
@@ -95,7 +104,10 @@ def make_plan(config: Config) -> Dict[str, Any]:
     seqs = sorted({s for s in SEQ_CANDIDATES if s <= arch.max_position_embeddings} | {seq})
     return {
         "model": {"name": config.model.name, "numbers_from": arch.source,
-                  "architecture": {k: v for k, v in dataclasses.asdict(arch).items() if k != "source"}},
+                  "architecture": {k: v for k, v in dataclasses.asdict(arch).items() if k != "source"},
+                  "rope_scaling": rope.as_dict() or None,
+                  "original_max_position_embeddings": original_positions(unscaled.max_position_embeddings, rope)},
+        "warnings": [warning] if warning else [],
         "parameters": counts,
         "weights": {
             "bf16": weight_bytes(arch, False, False, 2),
@@ -153,6 +165,13 @@ def render(plan: Dict[str, Any], console=None) -> None:
     table.add_row("[bold]total", f"[bold]{counts['total']:,}", _size(w["bf16"]["total"]),
                   _size(w["nf4"]["total"]), _size(w["training"]["total"]))
     console.print(table)
+    rope = plan["model"].get("rope_scaling")
+    if rope:
+        console.print(f"RoPE scaling {rope['rope_type']} x{rope['factor']:g}: context "
+                      f"{plan['model']['original_max_position_embeddings']:,} -> "
+                      f"{arch['max_position_embeddings']:,} tokens")
+    for warning in plan.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {warning}")
     lora, t = plan["lora"], plan["training"]
     console.print(f"LoRA r={lora['r']} on {', '.join(lora['target_modules'])}: {lora['trainable']:,} trainable "
                   f"parameters ({lora['percent_of_base']:.3f}% of the base)")

@@ -1,0 +1,254 @@
+"""One-GPU check: QLoRA training steps and KV-cached decode on a random Qwen2.5-7B-shaped model in NF4.
+
+No download and no model files: the model has the exact Qwen2.5-7B-Instruct config with random weights
+(:mod:`benchmarks.gpu.build`), NF4 with double quantization and bf16 compute; LoRA r=16 on all seven
+projections. Phases, each after a fresh build with the same seed (so every phase sees the same weights and its
+memory peak is its own; ``torch.cuda.max_memory_allocated`` is reset before each):
+
+1. decode: ``greedy``, exactly N new tokens (``min_new_tokens = max_new_tokens``) from random token-id prompts,
+   at batch 1 and 16, qwenft's :class:`qwenft.sampler.Sampler` and transformers' ``model.generate`` alternating;
+   decode tokens/s timed by forward hooks (``benchmarks.sampler.DecodeClock``: the prefill excluded, every
+   per-step cost outside the model included); both must choose the same tokens. The bandwidth floor of a decode
+   step is ``weight bytes read per step / measured device copy bandwidth`` (STREAM copy convention, read +
+   write); ``ceiling = batch / floor`` tokens/s. (At batch > 1 bitsandbytes dequantizes each weight to bf16
+   before the matmul, which moves more bytes than the packed weights: the floor is a lower bound.)
+2. train, qwenft: ``qwenft.model.attach_lora`` + ``qwenft.train.make_trainer`` (its Trainer subclass, collator
+   and callbacks) on random token rows, gradient checkpointing, bf16 autocast, paged 8-bit AdamW.
+3. train, plain: what a user writes by hand: ``peft.prepare_model_for_kbit_training`` + ``get_peft_model`` +
+   ``transformers.Trainer`` with ``DataCollatorForSeq2Seq`` and the same settings.
+
+Seconds per step: median of the steps after the first (warm-up), CUDA synchronised at every step boundary.
+The planner's prediction (``qwenft.plan``: weights as loaded, the training-step peak, the KV cache) is
+recorded beside each measurement. ``--tiny`` runs the same code on a shape-reduced model on the CPU (fp32
+compute, NF4 through bitsandbytes' CPU backend, seq 64, 3 steps, 8 new tokens), as the test suite does.
+
+    bash benchmarks/gpu/run.sh                 # full: 7B shape, CUDA (about 3-5 minutes on one H200)
+    bash benchmarks/gpu/run.sh --tiny          # CPU, seconds
+    bash benchmarks/gpu/run.sh --tiny --device cuda   # the tiny model on the GPU: a smoke check first
+
+Results: ``$OUT/gpu_qlora_7b.json`` when ``OUT`` is set, else benchmarks/results/ (``gpu_qlora_tiny.json`` in
+tiny mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common import environment, print_table, save_json  # noqa: E402
+from benchmarks.gpu.build import (PLAN_FIELDS, QWEN25_7B, TINY, build_nf4_model, tensor_bytes,  # noqa: E402
+                                  tiny_overrides)
+from benchmarks.gpu.phases import (Memory, copy_bandwidth, decode_phase, plain_train, qwenft_train,  # noqa: E402
+                                   random_rows)
+
+
+
+def _size(nbytes) -> str:
+    """Bytes in binary units (GiB, MiB or KiB), or ``-``."""
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="shape-reduced model, CPU by default: seq 64, 3 steps")
+    parser.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per arm (default 10; tiny 3)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per training row (default 2048; tiny 64)")
+    parser.add_argument("--batch", type=int, default=1, help="training batch size")
+    parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens per row (default 128; tiny 8)")
+    parser.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per row (default 32; tiny 16)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed decode calls per arm (default 2; tiny 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 for --tiny on a CPU, where bitsandbytes' many tiny kernels "
+                             "suffer most from a busy machine; else torch's)")
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.steps = args.steps or (3 if args.tiny else 10)
+    args.seq = args.seq or (64 if args.tiny else 2048)
+    args.new_tokens = args.new_tokens or (8 if args.tiny else 128)
+    args.prompt_len = args.prompt_len or (16 if args.tiny else 32)
+    args.repeats = args.repeats or (1 if args.tiny else 2)
+    args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
+    if args.threads is None and args.tiny and args.device == "cpu":
+        args.threads = 1
+    return args
+
+
+def qwenft_config(args, out_dir: str):
+    """The validated qwenft config of this run (LoRA, train settings; the model section feeds the planner)."""
+    from qwenft.cli import validate
+    from qwenft.config import register_resolvers
+
+    cuda = args.device.startswith("cuda")
+    model = tiny_overrides(TINY) if args.tiny else ["model=qwen2.5-7b-instruct"]
+    dtypes = [] if cuda else ["model.dtype=float32", "quant.compute_dtype=float32", "train.precision=fp32"]
+    register_resolvers()
+    return validate("train", [*model, "quant=nf4", *dtypes, "lora.r=16", f"out_dir={out_dir}",
+                              f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
+                              f"data.max_seq_len={args.seq}", "train.gradient_checkpointing=true",
+                              "train.save_steps=100000", "train.eval_steps=100000", "train.logging_steps=1",
+                              "data.packing=false", "logger=none", "eval.after_train=false",
+                              f"plan.device={'cuda' if cuda else 'cpu'}"])[0]
+
+
+def planner(config, args, shape) -> dict:
+    """The planner's numbers for this run, and a check that it plans the model that is built."""
+    from qwenft.plan import TrainSetup, kv_cache_bytes, resolve_architecture, training_memory, weight_bytes
+
+    arch = resolve_architecture(config.model)
+    for field in PLAN_FIELDS:
+        if getattr(arch, field) != shape[field]:
+            raise SystemExit(f"the planner's architecture has {field}={getattr(arch, field)}, the built model "
+                             f"{shape[field]} ({arch.source})")
+    setup = TrainSetup.from_config(config, device=config.plan.device)
+    train = training_memory(arch, setup, args.batch, args.seq, steady=True)
+    context = args.prompt_len + args.new_tokens - 1  # the last token chosen is never fed back
+    return {"numbers_from": arch.source, "device": setup.device, "optimizer": setup.optim, "autocast": setup.amp,
+            "weights_loaded_bytes": weight_bytes(arch, True, setup.double_quant, setup.compute_bytes)["total"],
+            "train_peak_bytes": train["peak"], "train_parts": train,
+            "kv_cache_bytes_per_token": kv_cache_bytes(arch, 1, setup.compute_bytes),
+            "kv_cache_bytes": {str(b): b * kv_cache_bytes(arch, context, setup.compute_bytes)
+                               for b in args.decode_batches}}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from qwenft.config import TinyModelConfig
+    from qwenft.tiny import build_tokenizer
+
+    started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --tiny (CPU) or on a GPU machine")
+    shape = TINY if args.tiny else QWEN25_7B
+    compute = torch.bfloat16 if cuda else torch.float32
+    tokenizer = build_tokenizer(TinyModelConfig())  # the sampler decodes with it; prompts are token ids
+    memory = Memory(args.device)
+    results = {"build": [], "train": {}}
+
+    def build(phase: str):
+        before = memory.current()  # what the previous phase left allocated (should be ~0 on CUDA)
+        memory.reset()
+        start = time.perf_counter()
+        model = build_nf4_model(shape, args.device, compute, tokenizer, seed=args.seed)
+        results["build"].append({"phase": phase, "seconds": time.perf_counter() - start,
+                                 "allocated_before_bytes": before, "peak_memory_bytes": memory.peak(),
+                                 "allocated_bytes": memory.current(),
+                                 "tensor_bytes": tensor_bytes(model)})
+        print(f"built the {'tiny' if args.tiny else '7B'}-shaped NF4 model for {phase} in "
+              f"{results['build'][-1]['seconds']:.1f} s", flush=True)
+        return model
+
+    bandwidth = copy_bandwidth(args.device)
+    print(f"device copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = qwenft_config(args, tmp)
+        plan = planner(config, args, shape)
+        model = build("decode")
+        results["decode"] = decode_phase(model, tokenizer, args, memory, bandwidth)
+        del model
+        _free(cuda)
+        rows = random_rows(shape["vocab_size"], args.steps * args.batch, args.seq, args.seed)
+        results["train"]["qwenft"] = qwenft_train(build("train_qwenft"), tokenizer, config, rows, memory, Path(tmp))
+        _free(cuda)
+        results["train"]["plain"] = plain_train(build("train_plain"), tokenizer, config, rows, memory, Path(tmp))
+        _free(cuda)
+    results["memory_measure"] = memory.measure
+    report(args, config, shape, plan, results, bandwidth, time.perf_counter() - started)
+
+
+def _free(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def report(args, config, shape, plan, results, bandwidth, seconds) -> None:
+    import torch
+
+    train, decode = results["train"], results["decode"]
+    ratio = train["qwenft"]["median_s_per_step"] / train["plain"]["median_s_per_step"]
+    measured_train = train["qwenft"]["peak_memory_bytes"]
+    # Comparable only on CUDA: on a CPU the measure is the whole process's resident set (Python, libraries).
+    cuda = args.device.startswith("cuda")
+    plan["train_peak_error"] = plan["train_peak_bytes"] / measured_train - 1 if cuda and measured_train else None
+    build = results["build"][0]
+    plan["weights_error"] = plan["weights_loaded_bytes"] / build["tensor_bytes"] - 1
+    for row in decode:
+        planned = plan["kv_cache_bytes"][str(row["batch"])]
+        row["planned_kv_cache_bytes"] = planned
+        row["kv_cache_error"] = planned / row["kv_cache_bytes"] - 1 if row["kv_cache_bytes"] else None
+    print_table(f"QLoRA training, batch {args.batch} x {args.seq} tokens, {args.steps} steps per arm "
+                f"(median s/step after the first; memory: {results['memory_measure']})",
+                ["arm", "s/step", "tokens/s", "peak memory", "plan peak", "final loss"],
+                [[arm, f"{t['median_s_per_step']:.3f}", f"{t['tokens_per_s']:.0f}", _size(t["peak_memory_bytes"]),
+                  _size(plan["train_peak_bytes"]) if arm == "qwenft" else "-",
+                  f"{t['losses'][-1]:.3f}" if t["losses"] else "-"] for arm, t in train.items()])
+    print(f"qwenft / plain seconds per step: {ratio:.3f}")
+    print_table(f"greedy decode, {args.new_tokens} new tokens after {args.prompt_len} prompt tokens (decode tok/s, "
+                f"median of {args.repeats})",
+                ["batch", "ours tok/s", "HF tok/s", "ratio", "ceiling tok/s", "ours frac", "peak ours | HF",
+                 "KV cache (plan)", "same tokens"],
+                [[r["batch"], f"{r['ours_tokens_per_s']:.1f}", f"{r['hf_tokens_per_s']:.1f}", f"{r['ratio']:.3f}",
+                  f"{r['ceiling_tokens_per_s']:.0f}", f"{r['ours_fraction_of_ceiling']:.1%}",
+                  f"{_size(r['ours_peak_memory_bytes'])} | {_size(r['hf_peak_memory_bytes'])}",
+                  f"{_size(r['kv_cache_bytes'])} ({_size(r['planned_kv_cache_bytes'])})", r["same_tokens"]]
+                 for r in decode])
+    print(f"\nweights: {_size(build['tensor_bytes'])} built, planner {_size(plan['weights_loaded_bytes'])}; training "
+          f"peak: planner {_size(plan['train_peak_bytes'])} vs measured {_size(measured_train)}"
+          f"{'' if cuda else ' (process RSS: not comparable)'}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"total {seconds:.0f} s")
+    name = "gpu_qlora_tiny" if args.tiny else "gpu_qlora_7b"
+    save_json(name, {
+        "benchmark": name, "mode": "tiny" if args.tiny else "full", "environment": _environment(args.device),
+        "settings": {"device": args.device, "shape": shape, "quant": "nf4, double quant",
+                     "compute_dtype": "bfloat16" if args.device.startswith("cuda") else "float32",
+                     "lora": {"r": config.lora.r, "lora_alpha": config.lora.lora_alpha,
+                              "lora_dropout": config.lora.lora_dropout,
+                              "target_modules": list(config.lora.target_modules)},
+                     "train": {"steps": args.steps, "batch": args.batch, "seq": args.seq,
+                               "gradient_checkpointing": True, "optimizer": plan["optimizer"],
+                               "autocast_bf16": plan["autocast"], "lr": config.train.lr},
+                     "decode": {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+                                "batches": args.decode_batches, "repeats": args.repeats,
+                                "decoding": "greedy, min_new_tokens=max_new_tokens, repetition_penalty 1.05"},
+                     "memory_measure": results["memory_measure"], "seed": args.seed,
+                     "threads": torch.get_num_threads()},
+        "copy_bandwidth_bytes_per_s": bandwidth, "build": results["build"], "train": train,
+        "ratio_train_qwenft_over_plain": ratio, "decode": decode, "plan": plan, "seconds_total": seconds,
+    })
+
+
+def _environment(device: str) -> dict:
+    import torch
+
+    info = environment()
+    info["accelerate"] = __import__("accelerate").__version__
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info.update({"gpu": props.name, "gpu_memory_bytes": props.total_memory,
+                     "cuda_runtime": torch.version.cuda, "capability": f"{props.major}.{props.minor}"})
+    return info
+
+
+if __name__ == "__main__":
+    main()

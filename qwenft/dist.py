@@ -1,0 +1,299 @@
+"""Training on several processes: ranks, the one run directory they share, and the ``dist`` presets' settings.
+
+qwenft writes no distribution code of its own: ``torchrun`` / ``accelerate launch`` start the processes and set
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; transformers' Trainer, through
+accelerate, runs DDP, FSDP or DeepSpeed from the TrainingArguments this module fills in
+(:func:`training_kwargs`). What is left here is what the Trainer does not know about:
+
+- every rank must write into the same run directory, but the default one is named after the time
+  (``${now:...}``), which differs between ranks by a second now and then: rank 0's is broadcast before Hydra
+  creates anything (:func:`launch_overrides`), and only rank 0 keeps Hydra's ``.hydra/`` and ``train.log``;
+- only rank 0 writes qwenft's own files (config.yaml, adapter/, metrics.json, the report); checkpoints are
+  written by every rank into one staging folder that rank 0 renames (``QwenftTrainer._save_checkpoint``);
+- environment problems (a missing deepspeed or flash-attn package, no GPU, no distributed launch) stop the run
+  with one line before anything is written (:func:`preflight`).
+
+Data order stays exact: every rank builds the same mixed dataset (rank 0 first, the others then read its
+tokenization cache) and the Trainer's sampler, seeded identically on every rank, deals the batches out:
+batch ``i`` of the seeded order goes to rank ``i % world_size``. Two ranks with batch 1 therefore see, step by
+step, exactly the rows one process with batch 2 sees, and the loss is token-weighted over the global batch
+(``num_items_in_batch`` is summed over ranks), so the updates agree up to float summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import logging
+import os
+from typing import Any, Dict, Iterator, List
+
+from qwenft.config import Config, ConfigError, DistConfig, QwenftError
+
+log = logging.getLogger(__name__)
+
+# Commands that load a model (and so need the attention implementation they ask for).
+MODEL_COMMANDS = ("train", "eval", "generate", "merge", "inspect")
+
+
+def world_size() -> int:
+    """Number of processes of the launch (``WORLD_SIZE``; 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """Global rank of this process (``RANK``; 0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    """Rank on this machine (``LOCAL_RANK``): the GPU index this process trains on."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main_process() -> bool:
+    """True on rank 0, the only process that writes qwenft's files."""
+    return rank() == 0
+
+
+def launched() -> bool:
+    """Whether a distributed launcher started this process (``LOCAL_RANK`` is set, even with one process)."""
+    return "LOCAL_RANK" in os.environ
+
+
+def resolve_strategy(dcfg: DistConfig) -> str:
+    """``dist.strategy`` as run: ``none`` under a launch of several processes is plain ``ddp``."""
+    if dcfg.strategy == "none" and world_size() > 1:
+        return "ddp"
+    return dcfg.strategy
+
+
+def zero_stage(dcfg: DistConfig) -> int:
+    """The DeepSpeed ZeRO stage of ``dcfg`` (-1 when the strategy is not deepspeed)."""
+    if dcfg.strategy != "deepspeed":
+        return -1
+    return int((dcfg.deepspeed.get("zero_optimization") or {}).get("stage", 0))
+
+
+def shards_weights(dcfg: DistConfig) -> bool:
+    """Whether the strategy shards the weights themselves (FSDP, ZeRO-3): a rank then holds only a part."""
+    return dcfg.strategy == "fsdp" or zero_stage(dcfg) == 3
+
+
+def backend(dcfg: DistConfig, cuda: bool) -> str:
+    """The process-group backend: ``dist.backend``, or nccl on CUDA and gloo on a CPU for ``auto``."""
+    if dcfg.backend != "auto":
+        return dcfg.backend
+    return "nccl" if cuda else "gloo"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _group():
+    """``torch.distributed`` when its default group is initialised (else None)."""
+    if world_size() <= 1:
+        return None
+    import torch.distributed as tdist
+
+    return tdist if tdist.is_available() and tdist.is_initialized() else None
+
+
+def init_process_group(dcfg: DistConfig) -> bool:
+    """Initialise torch.distributed's default group once, when launched with several processes.
+
+    Uses the backend the Trainer would use (:func:`backend`), so accelerate finds it ready and reuses it; on CUDA
+    the process first selects its GPU, ``cuda:LOCAL_RANK``.
+
+    Returns:
+        Whether this is a run of several processes.
+    """
+    if world_size() <= 1:
+        return False
+    import torch
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        return True
+    from datetime import timedelta
+
+    cuda = _cuda() and dcfg.backend != "gloo"
+    if cuda:
+        torch.cuda.set_device(local_rank())
+    tdist.init_process_group(backend=backend(dcfg, cuda), timeout=timedelta(seconds=dcfg.timeout_s))
+    return True
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    tdist = _group()
+    if tdist is not None:
+        if tdist.get_backend() == "nccl":
+            tdist.barrier(device_ids=[local_rank()])
+        else:
+            tdist.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run the body on rank 0 first, then on the other ranks (e.g. to fill a cache once)."""
+    if not is_main_process():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main_process():
+            barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (picklable objects; the object itself in one process)."""
+    tdist = _group()
+    if tdist is None:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sum_over_ranks(value: int) -> int:
+    """The sum of an integer over all ranks (the value itself in one process)."""
+    tdist = _group()
+    if tdist is None:
+        return value
+    import torch
+
+    device = f"cuda:{local_rank()}" if tdist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([value], dtype=torch.int64, device=device)
+    tdist.all_reduce(total)
+    return int(total.item())
+
+
+def destroy() -> None:
+    """Tear down the default process group (after the last collective)."""
+    tdist = _group()
+    if tdist is not None:
+        tdist.destroy_process_group()
+
+
+def _quote(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{escaped}'"
+
+
+def launch_overrides(config: Config, multirun: bool) -> List[str]:
+    """Hydra overrides that give every rank of a distributed launch the same run (none in one process).
+
+    All ranks get rank 0's ``out_dir`` (the default one holds the start time); ranks other than 0 write no
+    ``.hydra/`` snapshot and no log file (they log to the console). Initialises the process group.
+
+    Raises:
+        ConfigError: ``-m`` (a multirun grid) under a distributed launch.
+    """
+    if world_size() <= 1:
+        return []
+    if multirun:
+        raise ConfigError("-m (a multirun grid) is not supported under torchrun / accelerate launch; launch one "
+                          "training per grid point")
+    init_process_group(config.dist)
+    extra = [f"out_dir={_quote(broadcast_object(config.out_dir))}"]
+    if not is_main_process():
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    return extra
+
+
+def check_attention(attn_implementation: str, device: str) -> None:
+    """Check that ``model.attn_implementation`` can run on ``device``.
+
+    ``flash_attention_2`` needs the flash-attn package and a CUDA device; ``sdpa`` and ``eager`` run anywhere.
+
+    Raises:
+        QwenftError: one line saying what is missing and what to use instead.
+    """
+    if attn_implementation != "flash_attention_2":
+        return
+    missing = []
+    if importlib.util.find_spec("flash_attn") is None:
+        missing.append("the flash-attn package (pip install flash-attn --no-build-isolation), which is not installed")
+    if not str(device).startswith("cuda"):
+        missing.append(f"a CUDA GPU (this run is on {device})")
+    if missing:
+        raise QwenftError(f"model.attn_implementation=flash_attention_2 needs {' and '.join(missing)}; use sdpa "
+                          "(the default) or eager")
+
+
+def check_strategy(config: Config, cuda: bool) -> None:
+    """Check that ``dist`` can run here: its package, its device and its launcher.
+
+    Raises:
+        QwenftError: one line naming the preset and what is missing.
+    """
+    dcfg = config.dist
+    name = f"dist={dcfg.name}"
+    if dcfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise QwenftError(f"{name} needs the deepspeed package, which is not installed (pip install deepspeed); "
+                          "or train with dist=ddp / dist=fsdp")
+    if dcfg.strategy in ("fsdp", "deepspeed"):
+        if not cuda:
+            raise QwenftError(f"{name} needs CUDA GPUs; on a CPU train with dist=none or dist=ddp (gloo)")
+        if not launched():
+            raise QwenftError(f"{name} needs a distributed launch: torchrun --nproc_per_node=N -m qwenft train ... "
+                              "(or accelerate launch --num_processes N -m qwenft train ...)")
+    if backend(dcfg, cuda) == "nccl" and not cuda and world_size() > 1:
+        raise QwenftError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo (or auto) on a CPU")
+    if config.quant.method == "nf4" and shards_weights(dcfg) and dcfg.quant_storage == "uint8":
+        raise QwenftError(f"{name} with quant=nf4 needs dist.quant_storage=bfloat16: FSDP and ZeRO-3 shard only "
+                          "floating-point tensors")
+
+
+def preflight(config: Config, command: str) -> None:
+    """Environment checks run by the CLI before Hydra writes anything (attention, dist strategy).
+
+    Raises:
+        QwenftError: one line (see :func:`check_attention`, :func:`check_strategy`); any command but ``train``
+            started by a launcher of several processes.
+    """
+    if world_size() > 1 and command != "train":
+        raise QwenftError(f"qwenft {command} runs in one process: start it with python -m qwenft {command} ... "
+                          "(torchrun / accelerate launch are for train)")
+    needs_gpu_check = config.model.attn_implementation == "flash_attention_2" or (
+        command == "train" and (config.dist.strategy != "none" or world_size() > 1))
+    if not needs_gpu_check:
+        return  # the common case imports no torch
+    from qwenft.model import default_device
+
+    device = default_device()
+    if command in MODEL_COMMANDS:
+        check_attention(config.model.attn_implementation, device)
+    if command == "train":
+        check_strategy(config, device.startswith("cuda"))
+
+
+def training_kwargs(config: Config, cuda: bool) -> Dict[str, Any]:
+    """The TrainingArguments settings of ``config.dist`` (DDP flags, ``fsdp``/``fsdp_config``, ``deepspeed``)."""
+    dcfg = config.dist
+    strategy = resolve_strategy(dcfg)
+    kwargs: Dict[str, Any] = {"ddp_timeout": dcfg.timeout_s, "ddp_find_unused_parameters": dcfg.find_unused_parameters}
+    if world_size() > 1:
+        kwargs["ddp_backend"] = backend(dcfg, cuda)
+    if strategy == "fsdp":
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = copy.deepcopy(dict(dcfg.fsdp))
+    elif strategy == "deepspeed":
+        kwargs["deepspeed"] = copy.deepcopy(dict(dcfg.deepspeed))
+    return kwargs
+
+
+def describe(config: Config) -> str:
+    """One log line: the strategy, the number of processes and this rank."""
+    strategy = resolve_strategy(config.dist)
+    if world_size() <= 1 and strategy == "none":
+        return "one process"
+    how = f"{strategy} (dist={config.dist.name})" if strategy == config.dist.strategy else f"{strategy} (dist=none " \
+        "under a launch of several processes)"
+    return f"{how}, {world_size()} process(es), this is rank {rank()} (local {local_rank()})"
+

@@ -1,0 +1,118 @@
+"""The benchmark entry points cannot rot: the GPU script's tiny mode and the CPU suite's quick mode run here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SHARED_DATA
+
+
+def _env(tmp_path):
+    return dict(os.environ, OUT=str(tmp_path), HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+                TOKENIZERS_PARALLELISM="false")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
+    """`bash benchmarks/gpu/run.sh --tiny`: the 7B check's code path on a shape-reduced model on the CPU."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run.sh"), "--tiny"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_qlora_tiny.json").read_text())
+    settings = result["settings"]
+    assert result["mode"] == "tiny" and settings["device"] == "cpu"
+    assert settings["train"] == {**settings["train"], "steps": 3, "seq": 64, "batch": 1, "gradient_checkpointing": True}
+    assert settings["lora"]["r"] == 16 and len(settings["lora"]["target_modules"]) == 7
+    assert _positive(result["copy_bandwidth_bytes_per_s"]) and _positive(result["seconds_total"])
+    assert [b["phase"] for b in result["build"]] == ["decode", "train_qwenft", "train_plain"]
+    assert all(_positive(b["seconds"]) and _positive(b["tensor_bytes"]) for b in result["build"])
+
+    train = result["train"]
+    for arm in ("qwenft", "plain"):
+        t = train[arm]
+        assert t["steps"] == 3 and all(_positive(s) for s in t["seconds_per_step"]), arm
+        assert _positive(t["median_s_per_step"]) and _positive(t["tokens_per_s"]) and _positive(t["peak_memory_bytes"])
+        assert len(t["losses"]) == 3 and all(math.isfinite(x) for x in t["losses"]), arm
+        # A random model with weights of std 0.02 predicts nearly uniformly: loss ~ ln(vocab) = ln(512) = 6.24;
+        # 0.5 nat covers the random logits' spread, a wrong label shift or an all-masked loss falls far outside.
+        assert abs(t["losses"][0] - math.log(settings["shape"]["vocab_size"])) < 0.5, t["losses"]
+    # Same seed, same rows, same LoRA init and dropout draws: the first loss may differ only by the summation order
+    # of the two loss implementations (qwenft projects the supervised positions only), far below 1e-4.
+    assert train["qwenft"]["losses"][0] == pytest.approx(train["plain"]["losses"][0], rel=1e-4)
+    assert _positive(result["ratio_train_qwenft_over_plain"])
+
+    decode = result["decode"]
+    assert [row["batch"] for row in decode] == [1, 16]
+    for row in decode:
+        assert row["same_tokens"] is True, row  # greedy: qwenft's sampler and model.generate choose the same tokens
+        assert row["generated_per_row"] == [8] * row["batch"]
+        for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio", "floor_s_per_step", "ceiling_tokens_per_s",
+                    "weight_bytes_per_step", "kv_cache_bytes", "ours_peak_memory_bytes", "hf_peak_memory_bytes"):
+            assert _positive(row[key]), (key, row)
+        assert row["kv_cache_bytes"] == row["planned_kv_cache_bytes"]  # the planner's formula, byte for byte
+
+    plan = result["plan"]
+    for key in ("weights_loaded_bytes", "train_peak_bytes", "kv_cache_bytes_per_token"):
+        assert _positive(plan[key]), key
+    assert plan["train_parts"]["peak"] == plan["train_peak_bytes"]
+    # The planner leaves out the NF4 code tables (~1.1 KiB per layer) and the RoPE buffers: a few % of this toy
+    # model's 0.3 MB; a wrong NF4 or dense-weight formula is off by 2x or more.
+    assert abs(plan["weights_error"]) < 0.1, plan["weights_error"]
+    assert plan["train_peak_error"] is None  # a CPU's process RSS is not comparable with the plan
+
+
+def test_suite_runs_a_benchmark_and_collects_its_ratio(tmp_path):
+    """`python -m benchmarks --quick --only perplexity`: the child runs, its JSON is found and its ratio read."""
+    if not (SHARED_DATA / "ppl" / "wiki.test.raw").is_file():
+        pytest.skip("../shared/data/ppl/wiki.test.raw is not present")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "perplexity", "--quiet", "--out",
+                           str(tmp_path)], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    suite = json.loads((tmp_path / "suite.json").read_text())
+    [entry] = suite["benchmarks"]
+    assert entry["name"] == "perplexity" and entry["status"] == "ok" and _positive(entry["seconds"])
+    assert Path(entry["json"]) == tmp_path.resolve() / "perplexity_quick.json"
+    child = json.loads((tmp_path / "perplexity_quick.json").read_text())
+    assert entry["ratios"] == {"batched_over_single": child["ratio_batched_over_single"]}
+    assert child["perplexity"]["single"] == pytest.approx(child["perplexity"]["batched"], rel=child["tolerance"])
+    assert "perplexity" in proc.stdout and "batched_over_single" in proc.stdout  # the summary table
+
+
+def test_suite_rejects_an_unknown_benchmark():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown benchmark(s) nope" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cpu_suite_quick_mode(tmp_path):
+    """`python -m benchmarks --quick`: every script in its quick mode, suite.json with a ratio per benchmark.
+
+    Several minutes (five fresh interpreters, plan_accuracy's own children): longer than other slow tests.
+    """
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not present (data_tokenization and perplexity read it)")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--quiet", "--out", str(tmp_path)], cwd=ROOT,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    suite = json.loads((tmp_path / "suite.json").read_text())
+    assert suite["quick"] is True
+    entries = {e["name"]: e for e in suite["benchmarks"]}
+    assert list(entries) == ["sampler", "train_step", "data_tokenization", "perplexity", "plan_accuracy"]
+    for name, entry in entries.items():
+        assert entry["status"] == "ok", entry
+        assert _positive(entry["seconds"]) and entry["ratios"], entry
+        assert all(_positive(v) for v in entry["ratios"].values()), entry
+        assert Path(entry["json"]).parent == tmp_path.resolve()
+        json.loads(Path(entry["json"]).read_text())
+    assert set(entries["sampler"]["ratios"]) == {"bf16_batch1", "bf16_batch8", "nf4_batch1", "nf4_batch8"}
