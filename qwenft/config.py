@@ -165,6 +165,9 @@ class QuantConfig:
     # dequantization dominates decode time); the values are the NF4 values, only the memory grows.
     # null = auto, true / false to force.
     dequantize_for_inference: Optional[bool] = None
+    # A model directory written by `qwenft merge` is loaded in 16-bit for eval / generate / inspect even with
+    # quant=nf4 (NF4 would round away most of the merged LoRA delta) unless this is true. Training keeps nf4.
+    requantize_merged: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("quant.method", self.method, ("nf4", "none"))

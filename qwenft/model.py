@@ -39,6 +39,9 @@ END_OF_TEXT = "<|endoftext|>"
 IM_END = "<|im_end|>"
 
 
+MERGE_MARKER = "qwenft_merge.json"  # written by `qwenft merge` into every merged model directory
+
+
 def cache_dir() -> Path:
     """Where converted models live: ``$QWENFT_CACHE`` or ``~/.cache/qwenft``."""
     return Path(os.environ.get("QWENFT_CACHE", Path.home() / ".cache" / "qwenft")).expanduser()
@@ -294,6 +297,14 @@ def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
     tokenizer = load_tokenizer(model_dir, revision)
     storage = cfg.dist.quant_storage
     bnb = quantization_config(cfg.quant, storage)
+    if bnb is not None and cfg.command != "train" and (Path(model_dir) / MERGE_MARKER).is_file() \
+            and not cfg.quant.requantize_merged:
+        # A LoRA delta is small next to NF4's rounding step: quantizing merged weights again rounds most of
+        # the fine-tune away (the merged quickstart model lost the facts it had learned). Training on a merged
+        # base in NF4 (QLoRA again) is fine and keeps quant as given.
+        log.warning("%s was merged by qwenft from a LoRA adapter: loading its 16-bit weights (NF4 would round "
+                    "away most of the fine-tune; quant.requantize_merged=true to quantize anyway)", model_dir)
+        bnb = None
     if bnb is not None and storage != "uint8":  # sharded QLoRA: the other weights share the 4-bit storage dtype
         dtype = torch_dtype(storage, device)
     else:

@@ -188,3 +188,28 @@ def test_dequantize_for_inference_keeps_base_and_tuned_outputs(flag):
     # bitsandbytes' CPU path is dequantize_4bit + F.linear: same values, same kernel, so 1e-6 is float noise room
     torch.testing.assert_close(tuned2, tuned, rtol=0, atol=1e-6)
     torch.testing.assert_close(base2, base, rtol=0, atol=1e-6)
+
+
+def test_a_merged_model_is_not_quantized_again_for_inference(tmp_path):
+    """NF4 would round a merged LoRA delta away: eval/generate load a `qwenft merge` directory in 16-bit."""
+    import shutil
+
+    from bitsandbytes.nn import Linear4bit
+
+    from qwenft.model import MERGE_MARKER
+    from qwenft.tiny import tiny_model_dir
+
+    merged = tmp_path / "merged"
+    shutil.copytree(tiny_model_dir(compose_config("model=tiny-random").model.tiny), merged)
+    (merged / MERGE_MARKER).write_text("{}")
+    local = [f"model.path={merged}", "model.source=local", "quant=nf4"]
+
+    def four_bit(command, *extra):
+        model, _ = load_model(compose_config(*local, *extra, command=command))
+        return sum(isinstance(m, Linear4bit) for m in model.modules())
+
+    assert four_bit("generate") == 0
+    assert four_bit("generate", "quant.requantize_merged=true") == 14  # 2 layers x 7 projections
+    assert four_bit("train") == 14  # QLoRA on a merged base stays NF4
+    (merged / MERGE_MARKER).unlink()
+    assert four_bit("generate") == 14

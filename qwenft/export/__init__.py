@@ -43,11 +43,11 @@ from qwenft.export.build import (attach_adapter, describe_base, load_base, merge
                                  retie_, save_merged, untie_)
 from qwenft.export.card import model_card
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
-from qwenft.model import read_adapter_meta
+from qwenft.model import MERGE_MARKER, read_adapter_meta
 
 log = logging.getLogger(__name__)
 
-MARKER = "qwenft_merge.json"
+MARKER = MERGE_MARKER
 OWNER = ".qwenft-merge.pid"
 PAUSE_ENV = "QWENFT_TEST_MERGE_PAUSE"  # test hook: seconds to sleep after the shards are written
 

@@ -127,7 +127,7 @@ def greedy(model, ids, max_new_tokens, eos):
             if generated[-1] in eos or len(generated) == max_new_tokens:
                 break
             out = model(input_ids=torch.tensor([[generated[-1]]], device=device),
-                        past_key_values=out.past_key_values, use_cache=True)
+                        cache=out.cache, use_cache=True)
             last = out.logits[0, -1]
     return prompt_logits, generated, torch.stack(steps)
 
