@@ -326,6 +326,9 @@ class GenerateConfig:
     stop_sequences: List[List[int]] = field(default_factory=list)
     seed: Optional[int] = None
     batch_size: int = 8
+    # static_cache: a transformers StaticCache sized prompt + max_new_tokens (fixed shapes; works anywhere).
+    # compile: static cache + torch.compile of the decode step (CUDA only; the first call compiles).
+    static_cache: bool = False
     compile: bool = False
 
     def __post_init__(self) -> None:

@@ -302,10 +302,31 @@ def test_defaults_come_from_generation_config_and_presets_win(tiny, tmp_path):
         resolve_params(creative, model.generation_config, tokenizer, topp=0.5)
 
 
-def test_compile_is_refused_clearly(tiny):
-    model, tokenizer = tiny
-    with pytest.raises(QwenftError, match="generate.compile=true"):
+def test_compile_needs_cuda(tiny):
+    model, tokenizer = tiny  # on the CPU
+    with pytest.raises(QwenftError, match="generate.compile=true .* needs the model on a CUDA device"):
         Sampler(model, tokenizer, GenerateConfig(compile=True))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_static_cache_equals_dynamic_and_transformers_static(tiny, batch):
+    """generate.static_cache: the fixed-size cache (the compile path's cache) changes no token, for a padded batch
+    too; transformers' generate with cache_implementation="static" agrees."""
+    model, tokenizer = tiny
+    prompts = encode(tokenizer, PROMPTS[:batch])
+    dynamic = Sampler(model, tokenizer).generate(prompts, max_new_tokens=20, do_sample=False)
+    static = Sampler(model, tokenizer, GenerateConfig(static_cache=True)).generate(prompts, max_new_tokens=20,
+                                                                                    do_sample=False)
+    assert [s.token_ids for s in static.sequences] == [s.token_ids for s in dynamic.sequences]
+    # The static cache holds prompt width + max_new_tokens positions from the start: K and V, every layer.
+    cfg = model.config
+    positions = max(len(p) for p in prompts) + 20
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert static.stats.kv_cache_bytes == (2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * positions
+                                           * head_dim * model.dtype.itemsize)
+    reference = hf_generate(model, tokenizer, prompts, max_new_tokens=20, do_sample=False,
+                            cache_implementation="static")
+    assert_same_tokens(static, reference, 20)
 
 
 class ScriptedLM(torch.nn.Module):

@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, U
 import torch
 
 from qwenft.config import GenerateConfig, QwenftError
-from qwenft.generation.kv_cache import cache_bytes, left_pad, new_cache, position_ids, token_history
+from qwenft.generation.kv_cache import (cache_bytes, left_pad, new_cache, new_static_cache, position_ids,
+                                        token_history)
 from qwenft.generation.params import SamplingParams, resolve_params
 from qwenft.generation.sampling import process_scores, select_tokens
 from qwenft.generation.text import RowText, ends_with_any
@@ -135,17 +136,18 @@ def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat: bool = False) -> 
     return encoded
 
 
-def check_supported(config: GenerateConfig) -> None:
-    """Refuse settings this sampler does not implement.
+def check_supported(config: GenerateConfig, model=None) -> None:
+    """Refuse settings this sampler cannot run here.
 
     Raises:
-        QwenftError: ``generate.compile=true``: the CUDA static-cache + torch.compile path is not built (on a
-            CPU-only machine the message says so first).
+        QwenftError: ``generate.compile=true`` without the model on a CUDA device (torch.compile with CUDA
+            graphs is a GPU path; ``generate.static_cache=true`` gives the fixed-shape cache on any device).
     """
     if config.compile:
-        where = "this machine has no CUDA device" if not torch.cuda.is_available() else "it is not built yet"
-        raise QwenftError("generate.compile=true (CUDA static cache + torch.compile) is not available: "
-                          f"{where}; run with generate.compile=false")
+        on_cuda = _device(model).type == "cuda" if model is not None else torch.cuda.is_available()
+        if not on_cuda:
+            raise QwenftError("generate.compile=true (static cache + torch.compile) needs the model on a CUDA device; "
+                              "use generate.static_cache=true (no compile) or generate.compile=false")
 
 
 def _accepts(model, name: str) -> bool:
@@ -177,7 +179,7 @@ class Sampler:
         config: the ``generate`` config section; its None fields come from ``model.generation_config``.
 
     Raises:
-        QwenftError: ``config.compile`` is true (the static-cache + torch.compile path is not built).
+        QwenftError: ``config.compile`` is true and the model is not on a CUDA device.
 
     >>> sampler = Sampler(model, tokenizer, config.generate)
     >>> out = sampler.generate([[{"role": "user", "content": "春天"}]], max_new_tokens=32)
@@ -186,11 +188,15 @@ class Sampler:
 
     def __init__(self, model, tokenizer, config: Optional[GenerateConfig] = None):
         config = config or GenerateConfig()
-        check_supported(config)
+        check_supported(config, model)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self._logits_to_keep = _accepts(model, "logits_to_keep")
+        self._decode_forward = model
+        if config.compile:  # decode steps only: the prefill's shapes change with every batch of prompts
+            compiled = getattr(model, "get_compiled_call", None)  # transformers' own (PEFT forwards to the base)
+            self._decode_forward = compiled(None) if compiled is not None else torch.compile(model)
 
     @property
     def generation_config(self):
@@ -252,7 +258,10 @@ class Sampler:
         positions = position_ids(mask)
         # As model.generate does: with no padding the mask is dropped, so attention takes its causal fast path.
         attn = None if bool((mask == 1).all()) else mask
-        cache = new_cache(model)
+        if self.config.static_cache or self.config.compile:
+            cache = new_static_cache(model, input_ids.shape[1] + params.max_new_tokens)
+        else:
+            cache = new_cache(model)
         extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
         generator = None
         if params.seed is not None and not params.greedy:
@@ -324,8 +333,8 @@ class Sampler:
             positions = positions[:, -1:] + 1
             if attn is not None:
                 attn = torch.cat([attn, attn.new_ones((batch, 1))], dim=-1)
-            out = model(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions, cache=cache,
-                        use_cache=True, **extra)
+            out = self._decode_forward(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions,
+                                       cache=cache, use_cache=True, **extra)
         _sync(device)
         decode_s = time.perf_counter() - start
 

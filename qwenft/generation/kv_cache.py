@@ -22,6 +22,19 @@ def new_cache(model):
     return DynamicCache(config=text_config)
 
 
+def new_static_cache(model, max_cache_len: int):
+    """An empty ``StaticCache`` of ``max_cache_len`` positions (prompt width + max_new_tokens).
+
+    Its key/value buffers are allocated once at full length on the first forward, so every decode step has the
+    same shapes (what ``torch.compile`` with CUDA graphs needs); masked positions are never attended to.
+    """
+    from transformers import StaticCache
+
+    config = model.config
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return StaticCache(config=text_config, max_cache_len=max_cache_len)
+
+
 def cache_bytes(cache) -> int:
     """Bytes held by the keys and values of ``cache`` (all layers, all rows, padding included)."""
     total = 0
