@@ -114,7 +114,7 @@ def test_embedded_model_wikitext_perplexity(shared_data, embedded_dir):
     # Non-overlapping 1,024-token windows: half the compute of stride 512 on a 2-core CPU (fp32 here).
     got = perplexity_of_ids(model.eval(), [ids], window=1024, stride=1024, batch_size=1,
                             pad_id=tokenizer.pad_token_id)
-    print(f"embedded Qwen2.5-Coder-0.5B-Instruct (bf16) WikiText-2 perplexity over {got.tokens} tokens: "
+    print(f"embedded Qwen2.5-Coder-0.5B-Instruct ({model.dtype}) WikiText-2 perplexity over {got.tokens} tokens: "
           f"{got.perplexity:.2f}")
     # Published WikiText-2 perplexities of ~0.5B LMs lie around 10-30 (GPT-2 124M: ~30 at 1024 context);
     # a code-tuned, instruction-tuned, 4-bit-sourced 0.5B model lands higher. Outside 3-150 means a bug
