@@ -359,7 +359,10 @@ def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = N
     import torch
     from bitsandbytes.nn import Linear4bit
 
-    dtype = torch_dtype(qcfg.compute_dtype, device)
+    # The dtype the rest of the model computes in: the compute dtype, or the 4-bit storage dtype when the base
+    # was loaded for sharding (dist.quant_storage=bfloat16 loads every other weight in it too).
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = embeddings.weight.dtype if embeddings is not None else torch_dtype(qcfg.compute_dtype, device)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear4bit)]
     for name, module in targets:
         weight = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)

@@ -213,3 +213,15 @@ def test_a_merged_model_is_not_quantized_again_for_inference(tmp_path):
     assert four_bit("train") == 14  # QLoRA on a merged base stays NF4
     (merged / MERGE_MARKER).unlink()
     assert four_bit("generate") == 14
+
+
+def test_dequantize_for_inference_follows_the_storage_dtype():
+    """dist.quant_storage=bfloat16 loads the other weights in bf16: the dense copies must match them."""
+    from qwenft.model import dequantize_for_inference
+
+    cfg = compose_config("model=tiny-random", "quant=nf4", "dist.quant_storage=bfloat16", command="eval")
+    model, _ = load_model(cfg)
+    assert dequantize_for_inference(model, cfg.quant, "cpu") == 14
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
