@@ -82,3 +82,22 @@ def test_eval_refuses_a_missing_adapter(tmp_path):
 
     result = run_any("eval", "model=tiny-random", f"adapter={tmp_path}/none", f"out_dir={tmp_path}/x")
     assert result.returncode == 2 and "adapter_config.json" in result.stderr
+
+
+def test_base_only_report_names_no_adapter(tmp_path):
+    """`qwenft eval` without an adapter: the report says so instead of naming a LoRA that was never used."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_data import qa_rows, write_jsonl
+
+    rows = write_jsonl(tmp_path / "held.jsonl", qa_rows(3))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "qwenft", "eval", "model=tiny-random", "quant=none",
+                           f"out_dir={tmp_path / 'e'}", "eval.max_new_tokens=4",
+                           f"data.sources=[{{name: held, path: {rows}, weight: 0.0, eval_rows: 3}}]"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = (tmp_path / "e" / "report.md").read_text()
+    assert "- adapter: none (the base model alone)" in report and "LoRA: r=" not in report

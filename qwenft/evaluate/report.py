@@ -99,12 +99,16 @@ def _save_figure(fig, path: Path) -> Path:
 def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path]) -> str:
     """report.md as text: model, tables per source, perplexity, plots and side-by-side samples."""
     ev = metrics["eval"]
+    tuned = config.adapter or metrics.get("train")  # an adapter was evaluated (given, or trained by this run)
     lines = [f"# qwenft report: {config.run_name}", "",
-             f"- model: `{config.model.name}` ({config.model.source}, quant={config.quant.method})",
-             f"- adapter: `{config.adapter or (Path(config.out_dir) / 'adapter')}`",
-             f"- LoRA: r={config.lora.r}, lora_alpha={config.lora.lora_alpha}, "
-             f"targets={','.join(config.lora.target_modules)}",
-             f"- sampler for evaluation: preset `{config.eval.generate}`", ""]
+             f"- model: `{config.model.name}` ({config.model.source}, quant={config.quant.method})"]
+    if tuned:
+        lines += [f"- adapter: `{config.adapter or (Path(config.out_dir) / 'adapter')}`",
+                  f"- LoRA: r={config.lora.r}, lora_alpha={config.lora.lora_alpha}, "
+                  f"targets={','.join(config.lora.target_modules)}"]
+    else:
+        lines += ["- adapter: none (the base model alone)"]
+    lines += [f"- sampler for evaluation: preset `{config.eval.generate}`", ""]
     train = metrics.get("train")
     if train:
         lines += ["## Training", "",
