@@ -52,3 +52,16 @@ def save_json(name: str, payload: Dict[str, Any], out_dir: Path | None = None) -
     os.replace(tmp, path)
     print(f"saved {path}")
     return path
+
+
+def plain_lora(model, lora, gradient_checkpointing: bool):
+    """The baseline arm's model: what a user writes by hand with peft (k-bit preparation for a 4-bit base,
+    non-reentrant checkpointing, cache off, LoRA from ``lora``, a qwenft ``LoraConfig``)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, save_json  # noqa: E402
+from benchmarks.common import environment, plain_lora, print_table, save_json  # noqa: E402
 
 
 class StepTimer:
@@ -62,7 +62,6 @@ def qwenft_arm(config, steps: int, tmp: Path):
 def plain_arm(config, steps: int, tmp: Path, train_rows):
     """What a user would write by hand with transformers + peft + bitsandbytes."""
     import torch
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForSeq2Seq,
                               Trainer, TrainingArguments)
 
@@ -83,12 +82,7 @@ def plain_arm(config, steps: int, tmp: Path, train_rows):
         for module in model.modules():  # the same bitsandbytes CPU setting qwenft applies
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.train.gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    lora = config.lora
-    model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    model = plain_lora(model, config.lora, config.train.gradient_checkpointing)
     t = config.train
     args = TrainingArguments(output_dir=str(tmp / "plain"), max_steps=steps, per_device_train_batch_size=t.batch_size,
                              learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,

@@ -140,17 +140,12 @@ def qwenft_train(model, tokenizer, config, rows, memory, tmp: Path) -> dict:
 def plain_train(model, tokenizer, config, rows, memory, tmp: Path) -> dict:
     """The baseline a user writes with transformers + peft + bitsandbytes (as benchmarks/train_step.py's)."""
     import torch
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from benchmarks.common import plain_lora
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
 
     cuda = memory.cuda
     set_seed(config.train.seed)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    lora = config.lora
-    model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    model = plain_lora(model, config.lora, gradient_checkpointing=True)
     t = config.train
     args = TrainingArguments(output_dir=str(tmp / "plain"), max_steps=t.max_steps,
                              per_device_train_batch_size=t.batch_size, learning_rate=t.lr,
