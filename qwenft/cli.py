@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -114,13 +115,33 @@ def _compose_message(exc: BaseException) -> str:
     if cause is not None and type(cause).__module__.startswith("omegaconf"):
         return omegaconf_message(cause)
     first = text.splitlines()[0] if text else type(exc).__name__
+    if first.startswith(("LexerNoViableAltException", "mismatched input", "no viable alternative")):
+        override = first.split(":", 1)[-1].strip()
+        key, _, value = override.partition("=")
+        if value:  # Hydra's grammar takes unquoted values of letters, digits and a few symbols only
+            return (f"{override}: Hydra cannot read this value unquoted; quote it for Hydra inside the shell's "
+                    f"quotes: \"{key}='{value}'\"")
     return first.replace("Error merging override ", "")
 
 
 _FREE_FORM = re.compile(r"^(data\.sources\.\d+\.columns|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
 
 
-_TEXT_KEYS = ("prompt",)  # free text: taken literally, whatever characters it has
+_TEXT_KEYS = ("prompt", "data.system_prompt")  # free text: taken literally, whatever characters it has
+
+
+def quote_text(value: str) -> str:
+    """``value`` as a single-quoted Hydra override value that composes back to exactly ``value``.
+
+    Hydra's quoted strings keep backslashes except runs before a quote (and before the closing quote), which
+    escape in pairs; ``${`` is escaped so a prompt about ``${HOME}`` is not an interpolation.
+    """
+    out = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    out = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, out)
+    out = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", out)  # OmegaConf: \\ then \${ stay literal
+    return f"'{out}'"
+
+
 _LIST_KEYS = ("inspect.layers",)  # comma lists: a list, not a sweep
 
 
@@ -132,18 +153,17 @@ def free_form(overrides: Sequence[str]) -> List[str]:
       (:class:`qwenft.config.DataSource`). So are ``dist.fsdp`` and ``dist.deepspeed`` (passed through to
       transformers' ``fsdp_config`` / ``deepspeed``).
     - ``prompt=春天``: free text is quoted for Hydra (unquoted non-ASCII, spaces or ``,`` would be refused).
-    - ``inspect.layers=0,12,23`` is a list, not a multirun sweep.
+    - ``inspect.layers=0,12,23`` is a list, not a multirun sweep; ``inspect.layers=5`` is the list ``[5]``.
     """
     out = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if _FREE_FORM.match(item):
             item = f"++{item}"
-        elif sep and key in _TEXT_KEYS and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
-            escaped = value.replace("\\", "\\\\").replace("'", "\\'")
-            item = f"{key}='{escaped}'"
-        elif sep and key in _LIST_KEYS and "," in value and not value.startswith("["):
-            item = f"{key}=[{value}]"
+        elif sep and key in _TEXT_KEYS and value != "null" and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
+            item = f"{key}={quote_text(value)}"
+        elif sep and key in _LIST_KEYS and value not in ("", "null") and not value.startswith("["):
+            item = f"{key}=[{value}]"  # 0,12,23 or a single 5
         out.append(item)
     return out
 
@@ -195,8 +215,27 @@ def _resolve(command: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str]) -> None:
-    """Hand the command to ``@hydra.main`` (run dir, config snapshot, logging, multirun)."""
+def discard_untouched_run_dir(run_dir: Path, command: str) -> bool:
+    """Remove ``run_dir`` when it holds nothing but what Hydra wrote before the command ran.
+
+    A run refused with a user error before it wrote anything (bad data, a missing adapter or model) then leaves
+    no empty run directory behind. Anything else in it (config.yaml, checkpoints, an adapter) keeps it.
+
+    Returns:
+        Whether the directory was removed.
+    """
+    hydra_only = {".hydra", f"{command}.log"}
+    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= hydra_only:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], existing: Sequence[str] = ()) -> None:
+    """Hand the command to ``@hydra.main`` (run dir, config snapshot, logging, multirun).
+
+    ``existing``: run directories that existed before this invocation; they are never discarded.
+    """
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
@@ -207,12 +246,17 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str]) -> 
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def task(cfg: DictConfig):
+        run_dir = None
         try:
             config = to_config(cfg)
             if command in RUN_DIR_COMMANDS:
                 config.out_dir = HydraConfig.get().runtime.output_dir
+                run_dir = Path(config.out_dir).expanduser().resolve()
             return _resolve(command)(config)
         except QwenftError as exc:
+            if run_dir is not None and str(run_dir) not in existing:
+                logging.shutdown()  # close Hydra's log file before removing its folder
+                discard_untouched_run_dir(run_dir, command)
             fail(str(exc))
         except KeyboardInterrupt:
             fail("interrupted", code=130)
@@ -246,6 +290,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             preflight(configs[0], command)  # a missing package or GPU stops here, before Hydra writes anything
         except QwenftError as exc:
             fail(str(exc))
+        if command in RUN_DIR_COMMANDS:
+            for config in configs:
+                if Path(config.out_dir).expanduser().exists() and not Path(config.out_dir).expanduser().is_dir():
+                    fail(f"out_dir={config.out_dir}: is a file, not a directory; choose another out_dir")
+        if command == "train" and not parsed.multirun:  # resume / finished-run checks, before Hydra writes .hydra/
+            from qwenft.train import check_run_dir
+
+            try:
+                check_run_dir(configs[0])
+            except QwenftError as exc:
+                fail(str(exc))
         _resolve(command)  # an unimplemented command stops here, before Hydra writes anything
         if command == "train":  # under torchrun / accelerate launch: one run directory for all ranks
             try:
@@ -253,4 +308,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             except QwenftError as exc:
                 fail(str(exc))
     flags = [a for a in rest if a not in parsed.overrides]
-    _run_hydra(command, [*free_form(parsed.overrides), *launch], flags)
+    existing = [] if parsed.multirun or command not in RUN_DIR_COMMANDS or parsed.cfg or parsed.help or parsed.info \
+        else [str(Path(c.out_dir).expanduser().resolve()) for c in configs if Path(c.out_dir).expanduser().exists()]
+    _run_hydra(command, [*free_form(parsed.overrides), *launch], flags, existing)

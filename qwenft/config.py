@@ -12,6 +12,8 @@ only hold what makes a preset different.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -288,6 +290,9 @@ class TrainConfig:
     resume: str = "none"
 
     def __post_init__(self) -> None:
+        for name in ("lr", "epochs", "max_grad_norm", "weight_decay"):  # inf/nan would only fail mid-training
+            value = getattr(self, name)
+            _check(math.isfinite(value), f"train.{name}", value, "must be a finite number")
         _check(self.lr > 0, "train.lr", self.lr, "must be a float > 0")
         _check_choice("train.lr_scheduler", self.lr_scheduler,
                       ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"))
@@ -303,7 +308,7 @@ class TrainConfig:
         for name in ("save_steps", "eval_steps", "logging_steps", "save_total_limit"):
             value = getattr(self, name)
             _check(value >= 1, f"train.{name}", value, "must be >= 1")
-        _check(self.neftune_noise_alpha is None or self.neftune_noise_alpha > 0, "train.neftune_noise_alpha",
+        _check(self.neftune_noise_alpha is None or 0 < self.neftune_noise_alpha < math.inf, "train.neftune_noise_alpha",
                self.neftune_noise_alpha, "must be null or > 0")
         _check(self.resume in ("none", "auto") or bool(self.resume), "train.resume", self.resume,
                "must be none, auto or a checkpoint path")
@@ -598,6 +603,21 @@ def _field_type(cls: Any, name: str) -> Any:
     return hint
 
 
+def _escape_interpolations(tree: Any) -> Any:
+    """Escape ``${`` in already-resolved strings, so the structured merge does not resolve them a second time.
+
+    After ``to_container(resolve=True)`` a ``${`` left in a string is literal text (e.g. a prompt about shell
+    variables); OmegaConf reads ``\\${`` as a literal ``${``.
+    """
+    if isinstance(tree, dict):
+        return {key: _escape_interpolations(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_escape_interpolations(value) for value in tree]
+    if isinstance(tree, str) and "${" in tree:  # backslashes right before it pair up in OmegaConf's grammar
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", tree)
+    return tree
+
+
 def to_config(cfg: Any) -> Config:
     """Validate a composed OmegaConf config and convert it to :class:`Config`.
 
@@ -614,7 +634,7 @@ def to_config(cfg: Any) -> Config:
     if problems:
         raise ConfigError(problems[0])
     try:
-        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        plain = _escape_interpolations(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
         return OmegaConf.to_object(merged)
     except ConfigError:

@@ -256,15 +256,17 @@ def inspect_command(config: Config) -> Dict[str, Any]:
 
     import torch
 
+    from qwenft.adapter_base import inference_config
     from qwenft.model import load_adapter, load_model, read_adapter_meta
     from qwenft.plan import Architecture, kv_cache_bytes, resolve_architecture, write_json
 
     if not config.prompt:
         raise QwenftError('prompt: inspect needs a prompt, e.g. python -m qwenft inspect prompt="春天"')
-    layers = resolve_layers(config.inspect.layers, resolve_architecture(config.model).num_hidden_layers)
     if config.adapter and not (Path(config.adapter).expanduser() / "adapter_config.json").is_file():
         raise QwenftError(f"adapter={config.adapter!r}: no adapter_config.json there (an adapter directory is "
                           "written by `python -m qwenft train`)")
+    config = inference_config(config)  # with an adapter: the base it was trained on (its qwenft.json)
+    layers = resolve_layers(config.inspect.layers, resolve_architecture(config.model).num_hidden_layers)
     eager = dataclasses.replace(config, model=dataclasses.replace(config.model, attn_implementation="eager"))
     model, tokenizer = load_model(eager)
     if config.adapter:

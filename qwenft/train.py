@@ -152,6 +152,73 @@ def find_resume_checkpoint(config: Config, checkpoint_dir: Path) -> Optional[str
     return str(path)
 
 
+# Settings a checkpoint's weights and optimizer state depend on: a resume with other values cannot load them.
+RESUME_KEYS = ("model.source", "model.path", "model.revision", "model.tiny", "quant.method", "quant.double_quant",
+               "lora")
+
+
+def _flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: Dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: tree}
+
+
+def check_run_dir(config: Config) -> Optional[str]:
+    """Check ``out_dir`` and ``train.resume`` before anything is written; return the checkpoint to resume from.
+
+    The CLI runs this before Hydra touches the run directory, ``train`` again before it writes.
+
+    Raises:
+        QwenftError: ``out_dir`` already holds a run and ``train.resume=none``; a resume with other model / quant /
+            LoRA settings than the run's (:func:`check_resume_config`); a bad ``train.resume`` path.
+    """
+    out_dir = Path(config.out_dir).expanduser()
+    resume_from = find_resume_checkpoint(config, out_dir / "checkpoints")
+    if config.train.resume == "none" and _holds_a_run(out_dir):
+        raise QwenftError(f"out_dir={config.out_dir} already holds a training run (adapter/ or checkpoints/"
+                          "checkpoint-N); continue it with train.resume=auto, or choose another out_dir")
+    if resume_from:  # <run>/checkpoints/checkpoint-N: that run's config.yaml
+        check_resume_config(config, Path(resume_from).parent.parent)
+    return resume_from
+
+
+def _holds_a_run(out_dir: Path) -> bool:
+    checkpoints = out_dir / "checkpoints"
+    return (out_dir / "adapter" / "adapter_config.json").is_file() or (
+        checkpoints.is_dir() and any(p.name.startswith("checkpoint-") for p in checkpoints.iterdir()))
+
+
+def check_resume_config(config: Config, out_dir: Path) -> None:
+    """Refuse a resume whose model, quantization or LoRA settings differ from ``out_dir/config.yaml``.
+
+    Only the :data:`RESUME_KEYS` are compared (the checkpoint's weights and optimizer state are shaped by them);
+    other changes, e.g. a larger ``train.max_steps`` to train further, are allowed.
+
+    Raises:
+        QwenftError: names each differing key with both values, or an unreadable ``config.yaml``.
+    """
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    saved_path = out_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_path), resolve=False))
+    except Exception as exc:  # noqa: BLE001 - any YAML / OmegaConf failure is the same user-facing problem
+        raise QwenftError(f"{saved_path}: not readable ({exc}); it is written by `python -m qwenft train`") from None
+    now = _flatten(dataclasses.asdict(config))
+    differ = [f"{key}={saved[key]!r} in the run, {now[key]!r} now" for key in sorted(now)
+              if key in saved and key.startswith(RESUME_KEYS) and saved[key] != now[key]]
+    if differ:
+        raise QwenftError(f"train.resume: {out_dir} was trained with other settings ({'; '.join(differ)}); resume "
+                          "with the run's settings, or start a new run (another out_dir, or train.resume=none)")
+
+
 def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None) -> Path:
     """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically.
 
@@ -215,7 +282,7 @@ def run(config: Config) -> Path:
 
     from qwenft import data as data_lib
     from qwenft import dist
-    from qwenft.model import attach_lora, default_device, load_model
+    from qwenft.model import attach_lora, default_device, load_model, load_tokenizer, resolve_model_dir
 
     if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
         from qwenft.evaluate.run import check_ppl_sources, generate_preset
@@ -229,6 +296,13 @@ def run(config: Config) -> Path:
         logging.getLogger("qwenft").setLevel(logging.WARNING)
     out_dir = Path(config.out_dir)
     checkpoint_dir = out_dir / "checkpoints"
+    # Everything that can refuse the run (resume settings, the model source, the data) is checked before the run
+    # directory is written: a refused run leaves nothing behind and never overwrites a resumable run's config.yaml.
+    resume_from = check_run_dir(config)
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
+    with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
+        bundle = data_lib.build(config, tokenizer)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
@@ -236,14 +310,11 @@ def run(config: Config) -> Path:
         for stale in checkpoint_dir.glob(".tmp-*"):  # left by a process killed while saving
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    resume_from = find_resume_checkpoint(config, checkpoint_dir)
     if config.logger == "wandb":
         _wandb_env(config)  # the Trainer's W&B callback starts a run on rank 0 only
 
     log.info("distributed: %s", dist.describe(config))
     model, tokenizer = load_model(config)
-    with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
-        bundle = data_lib.build(config, tokenizer)
     set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
     model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
                         keep_dtype=config.dist.quant_storage != "uint8")

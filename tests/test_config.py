@@ -115,3 +115,28 @@ def test_free_text_and_list_overrides_are_rewritten_for_hydra():
         "++data.sources.0.columns={instruction: q}", "lora.r=8"]
     config = compose_config(*free_form(["prompt=春天, 夏天", "inspect.layers=0,1"]), command="inspect")
     assert config.prompt == "春天, 夏天" and config.inspect.layers == [0, 1]
+    assert compose_config(*free_form(["inspect.layers=5"]), command="inspect").inspect.layers == [5]
+
+
+@pytest.mark.parametrize("text", ["a\\b", "it's", "end\\", "x\\'y", "\\\\'", "a ${x} b", "${oc.env:HOME}",
+                                  "$5 and \\$", "a\\${x}", "a\\\\${x}\\", "${a}${b}", "[1,2]", "{a: 1}", "  lead",
+                                  "q=1, r=2"])
+def test_free_text_composes_back_to_exactly_what_was_typed(text):
+    """prompt= and data.system_prompt= are literal: no interpolation, backslashes and quotes as typed."""
+    from qwenft.cli import free_form
+
+    config = compose_config(*free_form([f"prompt={text}", f"data.system_prompt={text}"]), command="generate")
+    assert config.prompt == text and config.data.system_prompt == text
+
+
+def test_unreadable_values_and_impossible_numbers_are_one_line(tmp_path):
+    result = run_cli("data", "out_dir=/tmp/路径")
+    assert result.returncode == 2 and "quote it" in result.stderr and "\"out_dir='/tmp/路径'\"" in result.stderr
+    for key in ("train.lr=inf", "train.lr=nan", "train.epochs=inf", "train.weight_decay=nan"):
+        with pytest.raises(ConfigError, match=f"{key.split('=')[0]}=.*finite"):
+            compose_config(key)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    result = run_cli("eval", "model=tiny-random", f"out_dir={a_file}")
+    assert result.returncode == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr
+    assert a_file.read_text() == "keep"

@@ -488,3 +488,17 @@ def test_evaluation_only_sources(tiny, tmp_path, monkeypatch, capsys):
     main(["data", "model=tiny-random", "data.cache=false", sources])
     out = capsys.readouterr().out
     assert "training examples: 0 (evaluation only" in out and "⟦answer" in out
+
+
+def test_preview_warns_when_max_seq_len_exceeds_the_context(tmp_path, capsys):
+    """`data` says what `train` would: examples longer than the model's positions need model.rope_scaling."""
+    from qwenft.cli import main
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", qa_rows(4))
+    sources = f"data.sources=[{{name: qa, path: {rows}, weight: 1.0, eval_rows: 1}}]"
+    main(["data", "model=tiny-random", "model.tiny.max_position_embeddings=256", "data.cache=false", sources,
+          "data.max_seq_len=512"])
+    assert "data.max_seq_len=512 exceeds the model's max_position_embeddings=256" in capsys.readouterr().out
+    main(["data", "model=tiny-random", "model.tiny.max_position_embeddings=256", "data.cache=false", sources,
+          "data.max_seq_len=256"])
+    assert "exceeds" not in capsys.readouterr().out

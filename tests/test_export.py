@@ -113,7 +113,7 @@ def test_adapter_meta_round_trip(tmp_path):
 
 
 def test_resolve_base_rule(tmp_path):
-    from qwenft.export.build import resolve_base
+    from qwenft.adapter_base import resolve_base
 
     # The rule compares with ModelConfig(): it must be what conf/config.yaml composes by default.
     assert compose_config(command="merge").model == ModelConfig()
@@ -135,9 +135,38 @@ def test_resolve_base_rule(tmp_path):
     assert model == other.model and quant.method == "none" and "no qwenft.json" in why
 
 
+def test_inference_commands_use_the_adapters_base(tmp_path):
+    """eval / generate / inspect with adapter=PATH alone run on the base named by its qwenft.json."""
+    import dataclasses
+
+    from qwenft.adapter_base import inference_config
+
+    trained = compose_config("model=tiny-random", "quant=nf4", "model.tiny.hidden_size=32")
+    save_adapter_meta(tmp_path, trained)
+    for command in ("eval", "generate", "inspect"):
+        plain = compose_config(f"adapter={tmp_path}", "model.dtype=float32", command=command)
+        resolved = inference_config(plain)
+        assert resolved.model.source == "tiny-random" and resolved.model.tiny.hidden_size == 32
+        assert resolved.model.dtype == "float32"  # how to run the weights stays the command line's
+        assert resolved.quant.method == "nf4" and resolved.adapter == plain.adapter
+    # quant=none on the command line wins (the adapter on a 16-bit base); inference-only keys are kept.
+    sixteen = compose_config(f"adapter={tmp_path}", "quant=none", "quant.dequantize_for_inference=false",
+                             command="eval")
+    resolved = inference_config(sixteen)
+    assert resolved.quant.method == "none" and resolved.quant.dequantize_for_inference is False
+    # Other weights named on the command line win; no adapter or no qwenft.json: the config as it is.
+    other = compose_config(f"adapter={tmp_path}", "model=tiny-random", command="eval")
+    assert inference_config(other).model.tiny.hidden_size == 64
+    assert inference_config(compose_config(command="eval")) == compose_config(command="eval")
+    bare = compose_config(f"adapter={tmp_path / 'nothing'}", command="eval")
+    assert inference_config(bare) == bare
+    assert dataclasses.asdict(inference_config(plain)) != dataclasses.asdict(plain)
+
+
 def test_merge_base_keeps_the_trained_rope_scaling(tmp_path):
     """A base trained with model.rope_scaling is merged with it: the exported config.json keeps the context."""
-    from qwenft.export.build import load_base, resolve_base
+    from qwenft.adapter_base import resolve_base
+    from qwenft.export.build import load_base
 
     yarn = "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 2048}"
     save_adapter_meta(tmp_path, compose_config("model=tiny-random", "quant=none", yarn))
@@ -438,6 +467,21 @@ def test_interrupted_or_killed_merge_leaves_no_dir(tmp_path, adapters):
     assert not out.exists() and tmp.exists()
     _remove_stale(out)  # the next merge removes what a dead merge left
     assert no_leftovers(out)
+
+
+def test_a_killed_merge_not_yet_reaped_counts_as_dead():
+    """A merge killed under a parent that has not waited for it is a zombie: its .tmp-* folder is stale."""
+    from qwenft.export import _pid_alive
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    stat = Path(f"/proc/{proc.pid}/stat")
+    deadline = time.time() + 30
+    while stat.is_file() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert not _pid_alive(proc.pid) and _pid_alive(os.getpid())
+    proc.wait()
+    assert not _pid_alive(proc.pid)
 
 
 def test_model_card_eval_table(tmp_path):

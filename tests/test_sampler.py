@@ -26,7 +26,7 @@ from qwenft.generation.params import SamplingParams, resolve_params
 from qwenft.generation.text import REPLACEMENT, RowText, ends_with_any
 from qwenft.model import load_model
 from qwenft.sampler import Sampler
-from tests.conftest import ROOT, compose_config
+from tests.conftest import compose_config
 
 PROMPTS = ["Hello there, how are you", "春天来了", "The quick brown fox jumps over the lazy dog. And then", "0 1"]
 
@@ -472,6 +472,31 @@ def test_generate_command_streams_and_refuses_compile(tmp_path, capsys):
     config.generate.compile, config.prompt = False, None
     with pytest.raises(QwenftError, match="exactly one of"):
         generate_command(config)
+
+
+def test_generate_refuses_a_bad_out_before_loading(tmp_path):
+    from qwenft.generation.command import generate_command
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n', encoding="utf-8")
+    base = ["model=tiny-random", "quant=none", f"prompts_file={prompts}"]
+    for out, message in ((tmp_path, "is a directory"), (prompts, "is the prompts file itself")):
+        with pytest.raises(QwenftError, match=message):
+            generate_command(compose_config(*base, f"out={out}", command="generate"))
+    assert prompts.read_text(encoding="utf-8") == '{"prompt": "hello"}\n'  # the input is untouched
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):
+    from qwenft.config import ConfigError, GenerateConfig
+    from qwenft.generation.params import resolve_params
+
+    model, tokenizer = tiny
+    size = len(tokenizer)
+    assert resolve_params(GenerateConfig(stop_token_ids=[size - 1]), None, tokenizer).stop_token_ids == (size - 1,)
+    for key, config in (("stop_token_ids", GenerateConfig(stop_token_ids=[size])),
+                        ("stop_sequences", GenerateConfig(stop_sequences=[[1, -1]]))):
+        with pytest.raises(ConfigError, match=f"generate.{key}: token id .* outside the vocabulary"):
+            resolve_params(config, None, tokenizer)
 
 
 # ---------------------------------------------------------------- the embedded 0.5B model (slow)

@@ -144,15 +144,37 @@ def test_sweep_specs_parse_and_compose(path):
 
 
 def test_multirun_grid_writes_two_run_directories(tmp_path):
-    sweep_dir = tmp_path / "grid"
-    args = [a for a in train_overrides(tmp_path, tmp_path / "unused") if not a.startswith("out_dir=")]
-    args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in args]
-    result = run_cli(["-m", "lora.r=4,8", *args, f"hydra.sweep.dir={sweep_dir}"])
+    sweep_dir = tmp_path / "grid"  # out_dir names the grid's folder, one run directory per point under it
+    args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in train_overrides(tmp_path, sweep_dir)]
+    result = run_cli(["-m", "lora.r=4,8", *args])
     assert result.returncode == 0, result.stderr[-3000:]
     for num, rank in ((0, 4), (1, 8)):
         adapter = sweep_dir / str(num) / "adapter"
         assert json.loads((adapter / "adapter_config.json").read_text())["r"] == rank
         assert (sweep_dir / str(num) / "metrics.json").is_file()
+
+
+def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
+    """Bad data, a resume with another LoRA shape, a second run into a finished run: one line each, exit 2,
+    and nothing written or overwritten (checked before the model loads and before the run directory is used)."""
+    run_dir = tmp_path / "run"
+    args = [a.replace("train.max_steps=6", "train.max_steps=3") for a in train_overrides(tmp_path, run_dir)]
+    assert run_cli(args).returncode == 0
+    saved = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    refused = [([*args, "train.resume=auto", "lora.r=4"], "lora.r=16 in the run, 4 now"),
+               (args, "already holds a training run")]
+    for argv, message in refused:
+        result = run_cli(argv)
+        assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+        assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == saved
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q2"}\n', encoding="utf-8")
+    fresh = tmp_path / "fresh"
+    bad_args = [a.replace(str(tmp_path / "rows.jsonl"), str(bad)).replace(str(run_dir), str(fresh)) for a in args]
+    result = run_cli(bad_args)
+    assert result.returncode == 2 and f"{bad}: line 2: field 'output'" in result.stderr, result.stderr[-2000:]
+    assert not fresh.exists()  # not even Hydra's .hydra/ and log
 
 
 def test_adapter_loads_with_plain_peft(tmp_path):

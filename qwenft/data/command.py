@@ -59,6 +59,20 @@ def _source_table(stats: Dict[str, Any]):
     return table
 
 
+def _context_warning(config: Config, model_dir) -> "str | None":
+    """The rope.context_warning for data.max_seq_len against the model's config.json (None if unreadable)."""
+    import json
+    from pathlib import Path
+
+    from qwenft.rope import context_warning
+
+    try:
+        positions = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return context_warning(config.data.max_seq_len, int(positions), config.model.rope_scaling)
+
+
 def preview(config: Config) -> None:
     """Build the data of ``config`` and print counts, ratio, token lengths and one masked example.
 
@@ -100,6 +114,9 @@ def preview(config: Config) -> None:
                   f"{stats['skipped']}; supervised tokens: {stats['supervised_share']:.1%} "
                   f"(train_on={config.data.train_on})")
     console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es)")
+    warning = _context_warning(config, model_dir)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}")
     sample = bundle.sample
     if sample is None:
         return

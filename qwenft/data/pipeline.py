@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, DataConfig, DataSource
 from qwenft.data.formats import DataError

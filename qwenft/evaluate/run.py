@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Dict, List
@@ -187,6 +186,7 @@ def run_after_train(config: Config, model, tokenizer, bundle) -> Dict[str, Any]:
 def eval_command(config: Config) -> None:
     """``qwenft eval [adapter=PATH]``: evaluate the base, and the tuned model when an adapter is given."""
     from qwenft import data as data_lib
+    from qwenft.adapter_base import inference_config
     from qwenft.evaluate.report import write_outputs
     from qwenft.model import check_adapter_dir, load_adapter, load_model, read_adapter_meta
 
@@ -194,6 +194,7 @@ def eval_command(config: Config) -> None:
     check_ppl_sources(config)
     if config.adapter:
         check_adapter_dir(config.adapter)  # before the model load
+        config = inference_config(config)  # the base the adapter was trained on (its qwenft.json)
     if config.adapter and read_adapter_meta(config.adapter):
         log.info("adapter trained on %s", read_adapter_meta(config.adapter).get("model", {}).get("name"))
     model, tokenizer = load_model(config)

@@ -3,7 +3,7 @@
 ``python -m qwenft merge adapter=PATH out=DIR [merge.dtype=bfloat16] [merge.base=dequantized|original]
 [merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0]``
 
-1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.export.build.resolve_base` for when a
+1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.adapter_base.resolve_base` for when a
    ``model=`` override wins) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
    NF4-dequantized weights unless ``merge.base=original`` (trade-off: :mod:`qwenft.export.build`).
 2. Reference outputs of the adapter on that base are taken, the delta is merged (NaN/inf checked before it is
@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from qwenft.adapter_base import resolve_base
 from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
-from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_, resolve_base,
+from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
 from qwenft.export.card import model_card
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
@@ -121,6 +122,15 @@ def _umask() -> int:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a killed merge whose parent has not reaped it yet (a zombie) does not."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            # "pid (comm) state ...": comm may hold spaces or parentheses, the state follows the last ')'
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no /proc (macOS): ask the kernel
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -12,65 +12,16 @@ weights, so the result is a different model from the one that was evaluated (usu
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional, Tuple
 
-from qwenft.config import (ConfigError, MergeConfig, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
-                           TinyModelConfig)
-from qwenft.model import (ADAPTER_META, load_adapter, load_tokenizer, read_adapter_meta, resolve_model_dir,
-                          resolve_dtype, stop_token_ids, torch_dtype)
+from qwenft.config import MergeConfig, ModelConfig, QuantConfig, QwenftError
+from qwenft.model import load_adapter, load_tokenizer, resolve_model_dir, resolve_dtype, stop_token_ids, torch_dtype
 
 log = logging.getLogger(__name__)
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' Params4bit default; BitsAndBytesConfig exposes no other value
-
-
-def _identity(mcfg: ModelConfig) -> tuple:
-    """What names the weights (not how they are run): source, path, revision and, for tiny-random, its shape."""
-    return mcfg.source, mcfg.path, mcfg.revision, (mcfg.tiny if mcfg.source == "tiny-random" else None)
-
-
-def _from_meta(section: str, cls: Any, values: dict, source: Path) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
-    try:
-        kwargs = {k: v for k, v in values.items() if k in known}
-        if cls is ModelConfig and isinstance(kwargs.get("tiny"), dict):
-            kwargs["tiny"] = TinyModelConfig(**{k: v for k, v in kwargs["tiny"].items()
-                                                if k in {f.name for f in dataclasses.fields(TinyModelConfig)}})
-        if cls is ModelConfig and isinstance(kwargs.get("rope_scaling"), dict):
-            kwargs["rope_scaling"] = RopeScalingConfig(**kwargs["rope_scaling"])
-        return cls(**kwargs)
-    except (ConfigError, TypeError) as exc:
-        raise QwenftError(f"{source}: '{section}' is not a valid {section} config ({exc})") from None
-
-
-def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path) -> Tuple[ModelConfig, QuantConfig, str]:
-    """The base model an adapter is merged into, and how it was trained (NF4 or 16-bit).
-
-    Rule: the adapter's ``qwenft.json`` (written by ``qwenft train``) names the base and its quantization.
-    A ``model=...`` on the command line wins when it names *other weights* than the default preset, i.e.
-    when its source, path, revision (or tiny-random shape) differ from :class:`ModelConfig`'s defaults;
-    settings that do not change the weights (``model.dtype``, ``model.attn_implementation``) never count.
-    Without ``qwenft.json`` the command line's ``model`` and ``quant`` are used as given (the same defaults
-    ``train`` uses), so pass the ones the adapter was trained with.
-
-    Returns:
-        ``(model, quant, why)``: ``why`` is a short phrase for the log and the model card.
-
-    Raises:
-        QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
-    """
-    meta = read_adapter_meta(adapter_dir)
-    if meta is None:
-        return model, quant, f"from the command line (no {ADAPTER_META} beside the adapter)"
-    source = adapter_dir / ADAPTER_META
-    saved_quant = _from_meta("quant", QuantConfig, meta.get("quant") or {"method": "none"}, source)
-    if _identity(model) != _identity(ModelConfig()):
-        return model, saved_quant, f"model={model.name} from the command line (overrides {ADAPTER_META})"
-    return _from_meta("model", ModelConfig, meta["model"], source), saved_quant, f"from the adapter's {ADAPTER_META}"
 
 
 def load_base(mcfg: ModelConfig, merge: MergeConfig, device: str):

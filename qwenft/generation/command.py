@@ -95,11 +95,20 @@ def _chat_input(row: Dict[str, Any], chat: bool, system_prompt: Optional[str]):
 
 
 def output_path(config: Config) -> Path:
-    """Where a prompts file's results go: ``out``, or ``<stem>.generations.jsonl`` beside the input."""
-    if config.out:
-        return Path(config.out).expanduser()
+    """Where a prompts file's results go: ``out``, or ``<stem>.generations.jsonl`` beside the input.
+
+    Raises:
+        QwenftError: ``out`` is a directory, or the prompts file itself.
+    """
     source = Path(config.prompts_file).expanduser()
-    return source.with_name(f"{source.stem}.generations.jsonl")
+    if not config.out:
+        return source.with_name(f"{source.stem}.generations.jsonl")
+    path = Path(config.out).expanduser()
+    if path.is_dir():
+        raise QwenftError(f"out={config.out}: is a directory; name a file, e.g. out={path / 'generations.jsonl'}")
+    if path.resolve() == source.resolve():
+        raise QwenftError(f"out={config.out}: is the prompts file itself; name another file (it would be replaced)")
+    return path
 
 
 def write_jsonl(path: Path, rows: List[Dict[str, Any]]) -> None:
@@ -146,14 +155,18 @@ def generate_command(config: Config) -> None:
 
     check_supported(config.generate)  # before any model is loaded
     rows = read_prompts(config.prompts_file) if config.prompts_file else None
+    if rows is not None:
+        output_path(config)  # a bad out= stops here, before the model is loaded
     if config.prompt is not None and not config.prompt.strip():
         raise QwenftError("prompt: empty prompt")
 
+    from qwenft.adapter_base import inference_config
     from qwenft.generation.generate import Sampler
     from qwenft.model import check_adapter_dir, default_device, dequantize_for_inference, load_adapter, load_model
 
     if config.adapter:
         check_adapter_dir(config.adapter)  # before the (slow) model load
+        config = inference_config(config)  # the base the adapter was trained on (its qwenft.json)
     device = default_device()
     model, tokenizer = load_model(config, device=device)
     if config.adapter:

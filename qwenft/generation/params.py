@@ -77,7 +77,7 @@ def resolve_params(config: Optional[GenerateConfig], generation_config: Any, tok
 
     Raises:
         ConfigError: an override names an unknown field or has an impossible value (checked by
-            :class:`GenerateConfig`).
+            :class:`GenerateConfig`), or a stop token id is outside the tokenizer's vocabulary.
     """
     from qwenft.config import ConfigError
     from qwenft.model import stop_token_ids
@@ -90,6 +90,13 @@ def resolve_params(config: Optional[GenerateConfig], generation_config: Any, tok
     if overrides:
         config = dataclasses.replace(config, **overrides)  # re-runs GenerateConfig.__post_init__ checks
     gc = generation_config
+    if hasattr(tokenizer, "__len__"):  # an id no token has can never be sampled as a stop: a typo, said now
+        size = len(tokenizer)
+        for key, ids in (("stop_token_ids", config.stop_token_ids or []),
+                         ("stop_sequences", [t for seq in config.stop_sequences for t in seq])):
+            bad = [int(t) for t in ids if not 0 <= int(t) < size]
+            if bad:
+                raise ConfigError(f"generate.{key}: token id {bad[0]} is outside the vocabulary (0..{size - 1})")
     if config.stop_token_ids is not None:
         stops = [int(t) for t in config.stop_token_ids]
     elif tokenizer is not None:
