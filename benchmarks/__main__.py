@@ -2,8 +2,9 @@
 
 Each benchmark runs as its own child process (``python benchmarks/NAME.py OPTIONS``: a fresh interpreter, so
 memory from one never weighs on the next), with options sized so that the whole suite takes under 20 minutes
-on 2 idle cores: about 13, estimated from each script's measured costs (sampler ~3.5 with 8 new tokens and one
-repeat, train step ~4.5 with 2 rounds of 4 steps, tokenization ~1, perplexity ~1.5, plan accuracy ~3). A busy
+on 2 idle cores. Measured on an idle machine (2026-11-29): 8.8 minutes with one sampler repeat (sampler 2.4,
+train step 4.0 with 2 rounds of 4 steps, tokenization 0.5, perplexity 1.0, plan accuracy 0.9); one repeat left
+the sampler's ratios at the mercy of a single call (0.83-1.08), so it now runs 3 repeats (~4.5 min). A busy
 machine takes longer (the quick suite alone took 7 minutes at load average 5.5). Each child writes its own JSON;
 the suite collects the ratios from them:
 
@@ -56,7 +57,7 @@ def _plan(d: dict) -> Dict[str, float]:
 # name, full-suite options, quick options, ratio extractor, what the ratio is, target
 SUITE: List[Tuple[str, List[str], List[str], Callable[[dict], Dict[str, float]], str, str]] = [
     # bf16 GEMMs are ~20x slower than fp32 on an AVX2-only CPU, and the bf16 batch-8 prefill dominates: few tokens.
-    ("sampler", ["--new-tokens", "8", "--repeats", "1"], ["--quick", "--model", "tiny-random", "--new-tokens", "4"],
+    ("sampler", ["--new-tokens", "8", "--repeats", "3"], ["--quick", "--model", "tiny-random", "--new-tokens", "4"],
      _sampler, "ours / transformers decode tokens/s", ">= 1.0"),
     ("train_step", ["--rounds", "2", "--steps", "4"], ["--quick"],
      lambda d: {"qwenft_over_plain": d["ratio_qwenft_over_plain"]}, "qwenft / plain seconds per step", "<= 1.05"),

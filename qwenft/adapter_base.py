@@ -67,8 +67,9 @@ def inference_config(config: Config) -> Config:
     """``config`` with the model (and quantization) the adapter was trained on, for eval / generate / inspect.
 
     The model follows :func:`resolve_base`'s rule (``qwenft.json`` unless ``model=...`` names other weights
-    than the default preset), but the command line's ``model.dtype`` and ``model.attn_implementation`` are kept:
-    they choose how to run the weights, not which. The quantization (method, double quant, compute dtype) is
+    than the default preset), but the command line's ``model.dtype`` and ``model.attn_implementation`` are kept
+    (they choose how to run the weights, not which), and so is a ``model.rope_scaling`` set there (else the
+    trained one). The quantization (method, double quant, compute dtype) is
     the trained one unless the command line changed one of them from the defaults (e.g. ``quant=none`` to run
     the adapter on a 16-bit base); the inference-only ``quant`` keys always come from the command line.
     Without ``adapter``, or without ``qwenft.json``, ``config`` is returned as it is.
@@ -83,6 +84,8 @@ def inference_config(config: Config) -> Config:
         return config
     model, saved_quant, why = resolve_base(config.model, config.quant, adapter_dir)
     model = dataclasses.replace(model, dtype=config.model.dtype, attn_implementation=config.model.attn_implementation)
+    if config.model.rope_scaling != ModelConfig().rope_scaling:  # asked for on the command line: it wins
+        model = dataclasses.replace(model, rope_scaling=config.model.rope_scaling)
     quant = config.quant
     trained_keys = ("method", "double_quant", "compute_dtype")
     defaults = QuantConfig()

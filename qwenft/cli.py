@@ -115,8 +115,8 @@ def _compose_message(exc: BaseException) -> str:
     if cause is not None and type(cause).__module__.startswith("omegaconf"):
         return omegaconf_message(cause)
     first = text.splitlines()[0] if text else type(exc).__name__
-    if first.startswith(("LexerNoViableAltException", "mismatched input", "no viable alternative")):
-        override = first.split(":", 1)[-1].strip()
+    if first.startswith("LexerNoViableAltException:"):  # "LexerNoViableAltException: KEY=VALUE"
+        override = first.split(":", 1)[1].strip()
         key, _, value = override.partition("=")
         if value:  # Hydra's grammar takes unquoted values of letters, digits and a few symbols only
             return (f"{override}: Hydra cannot read this value unquoted; quote it for Hydra inside the shell's "
@@ -152,7 +152,9 @@ def free_form(overrides: Sequence[str]) -> List[str]:
       a struct config unless the override starts with ``++``; the keys are checked against the format later
       (:class:`qwenft.config.DataSource`). So are ``dist.fsdp`` and ``dist.deepspeed`` (passed through to
       transformers' ``fsdp_config`` / ``deepspeed``).
-    - ``prompt=春天``: free text is quoted for Hydra (unquoted non-ASCII, spaces or ``,`` would be refused).
+    - ``prompt=春天`` and ``data.system_prompt=...``: free text is quoted for Hydra (unquoted non-ASCII or ``,``
+      would be refused) and taken literally (``${...}`` stays text, see :func:`quote_text`); ``null`` stays null.
+      A sweep over them needs the user's own Hydra quoting.
     - ``inspect.layers=0,12,23`` is a list, not a multirun sweep; ``inspect.layers=5`` is the list ``[5]``.
     """
     out = []
@@ -183,6 +185,11 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
     problem = _recipe_problem(overrides)
     if problem:
         raise ConfigError(problem)
+    for item in overrides:
+        key = item.partition("=")[0].lstrip("+~")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and command in RUN_DIR_COMMANDS:
+            raise ConfigError(f"{key} is set from out_dir; use out_dir=PATH instead (with -m, runs go to "
+                              "out_dir/0, out_dir/1, ...)")
     user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     grid: List[List[str]] = [list(user)]
     if multirun:
@@ -254,7 +261,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
                 run_dir = Path(config.out_dir).expanduser().resolve()
             return _resolve(command)(config)
         except QwenftError as exc:
-            if run_dir is not None and str(run_dir) not in existing:
+            if run_dir is not None and str(run_dir) not in existing and os.environ.get("RANK", "0") == "0":
                 logging.shutdown()  # close Hydra's log file before removing its folder
                 discard_untouched_run_dir(run_dir, command)
             fail(str(exc))
@@ -294,11 +301,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             for config in configs:
                 if Path(config.out_dir).expanduser().exists() and not Path(config.out_dir).expanduser().is_dir():
                     fail(f"out_dir={config.out_dir}: is a file, not a directory; choose another out_dir")
-        if command == "train" and not parsed.multirun:  # resume / finished-run checks, before Hydra writes .hydra/
+        if command == "train":  # resume / finished-run checks, before Hydra writes .hydra/
+            from dataclasses import replace
+
             from qwenft.train import check_run_dir
 
-            try:
-                check_run_dir(configs[0])
+            try:  # -m: grid point N runs in out_dir/N (hydra.sweep.subdir), in the order validate() returns
+                for num, config in enumerate(configs):
+                    check_run_dir(replace(config, out_dir=str(Path(config.out_dir) / str(num)))
+                                  if parsed.multirun else config)
             except QwenftError as exc:
                 fail(str(exc))
         _resolve(command)  # an unimplemented command stops here, before Hydra writes anything

@@ -603,16 +603,16 @@ def _field_type(cls: Any, name: str) -> Any:
     return hint
 
 
-def _escape_interpolations(tree: Any) -> Any:
+def escape_interpolations(tree: Any) -> Any:
     """Escape ``${`` in already-resolved strings, so the structured merge does not resolve them a second time.
 
     After ``to_container(resolve=True)`` a ``${`` left in a string is literal text (e.g. a prompt about shell
     variables); OmegaConf reads ``\\${`` as a literal ``${``.
     """
     if isinstance(tree, dict):
-        return {key: _escape_interpolations(value) for key, value in tree.items()}
+        return {key: escape_interpolations(value) for key, value in tree.items()}
     if isinstance(tree, list):
-        return [_escape_interpolations(value) for value in tree]
+        return [escape_interpolations(value) for value in tree]
     if isinstance(tree, str) and "${" in tree:  # backslashes right before it pair up in OmegaConf's grammar
         return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", tree)
     return tree
@@ -634,7 +634,7 @@ def to_config(cfg: Any) -> Config:
     if problems:
         raise ConfigError(problems[0])
     try:
-        plain = _escape_interpolations(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+        plain = escape_interpolations(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
         return OmegaConf.to_object(merged)
     except ConfigError:

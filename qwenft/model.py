@@ -182,12 +182,20 @@ def load_tokenizer(model_dir: str, revision: Optional[str] = None):
     Padding side is right (training); the sampler pads left itself.
 
     Raises:
-        QwenftError: the tokenizer has no usable pad token.
+        QwenftError: the tokenizer cannot be loaded (a Hub id offline and not in the cache, an unknown id) or has
+            no usable pad token.
     """
     from transformers import AutoTokenizer
 
     kwargs = {"revision": revision} if revision else {}
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError) as exc:  # transformers / huggingface_hub report a missing model as these
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        hint = "" if Path(str(model_dir)).is_dir() else (
+            f"; a Hub model needs the network once, or its files in the HF cache (huggingface-cli download "
+            f"{model_dir}); offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}")
+        raise QwenftError(f"model {model_dir}: cannot load it ({first[:300]}){hint}") from None
     eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT) if END_OF_TEXT in tokenizer.get_vocab() else None
     if tokenizer.pad_token is None or tokenizer.pad_token == IM_END:
         if eot is None:

@@ -166,10 +166,22 @@ def _flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
     return {prefix: tree}
 
 
+def config_yaml(config: Config) -> str:
+    """The run's resolved config as YAML; a literal ``${`` in a text value (a prompt) is written escaped."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from qwenft.config import escape_interpolations
+
+    return OmegaConf.to_yaml(OmegaConf.create(escape_interpolations(dataclasses.asdict(config))))
+
+
 def check_run_dir(config: Config) -> Optional[str]:
     """Check ``out_dir`` and ``train.resume`` before anything is written; return the checkpoint to resume from.
 
-    The CLI runs this before Hydra touches the run directory, ``train`` again before it writes.
+    The CLI runs this before Hydra touches the run directory (for ``-m``, on each grid point's ``out_dir/N``),
+    ``train`` again before it writes.
 
     Raises:
         QwenftError: ``out_dir`` already holds a run and ``train.resume=none``; a resume with other model / quant /
@@ -179,7 +191,8 @@ def check_run_dir(config: Config) -> Optional[str]:
     resume_from = find_resume_checkpoint(config, out_dir / "checkpoints")
     if config.train.resume == "none" and _holds_a_run(out_dir):
         raise QwenftError(f"out_dir={config.out_dir} already holds a training run (adapter/ or checkpoints/"
-                          "checkpoint-N); continue it with train.resume=auto, or choose another out_dir")
+                          "checkpoint-N); continue it with train.resume=auto (with a larger train.max_steps or "
+                          "train.epochs if it finished), or choose another out_dir")
     if resume_from:  # <run>/checkpoints/checkpoint-N: that run's config.yaml
         check_resume_config(config, Path(resume_from).parent.parent)
     return resume_from
@@ -275,9 +288,9 @@ def run(config: Config) -> Path:
 
     Raises:
         NonFiniteError: the loss or gradient norm became NaN/inf (names the step).
-        QwenftError: bad data, a bad resume path, a missing model source.
+        QwenftError: bad data, a bad resume path, a missing model source, a run already in ``out_dir`` with
+            ``train.resume=none``, a resume whose model / quant / LoRA settings differ from the run's.
     """
-    from omegaconf import OmegaConf
     from transformers import set_seed
 
     from qwenft import data as data_lib
@@ -305,7 +318,7 @@ def run(config: Config) -> Path:
         bundle = data_lib.build(config, tokenizer)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+        atomic_write_text(out_dir / "config.yaml", config_yaml(config))
         checkpoint_dir.mkdir(exist_ok=True)
         for stale in checkpoint_dir.glob(".tmp-*"):  # left by a process killed while saving
             shutil.rmtree(stale, ignore_errors=True)

@@ -129,6 +129,17 @@ def test_free_text_composes_back_to_exactly_what_was_typed(text):
     assert config.prompt == text and config.data.system_prompt == text
 
 
+def test_a_refused_run_removes_only_the_run_directory_it_created(tmp_path):
+    empty = tmp_path / "mine"
+    empty.mkdir()
+    for out_dir, kept in ((empty, True), (tmp_path / "new", False)):
+        result = run_cli("eval", "model=tiny-random", f"out_dir={out_dir}", f"adapter={tmp_path / 'no_adapter'}")
+        assert result.returncode == 2 and "no_adapter" in result.stderr and "Traceback" not in result.stderr
+        assert out_dir.exists() == kept
+    with pytest.raises(ConfigError, match="hydra.run.dir is set from out_dir; use out_dir=PATH"):
+        validate("train", ["hydra.run.dir=/tmp/elsewhere"])
+
+
 def test_unreadable_values_and_impossible_numbers_are_one_line(tmp_path):
     result = run_cli("data", "out_dir=/tmp/路径")
     assert result.returncode == 2 and "quote it" in result.stderr and "\"out_dir='/tmp/路径'\"" in result.stderr

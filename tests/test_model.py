@@ -225,3 +225,13 @@ def test_dequantize_for_inference_follows_the_storage_dtype():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_a_hub_model_that_cannot_be_reached_is_one_line(tmp_path):
+    """Offline (the tests set HF_HUB_OFFLINE=1) with nothing in the cache: QwenftError, no traceback."""
+    from qwenft.model import load_tokenizer
+
+    with pytest.raises(QwenftError, match="model Qwen/qwenft-no-such-model: cannot load it .*HF_HUB_OFFLINE=1"):
+        load_tokenizer("Qwen/qwenft-no-such-model")
+    with pytest.raises(QwenftError, match=f"model {tmp_path}: cannot load it"):
+        load_tokenizer(str(tmp_path))  # a directory without tokenizer files

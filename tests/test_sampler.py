@@ -308,6 +308,22 @@ def test_compile_needs_cuda(tiny):
         Sampler(model, tokenizer, GenerateConfig(compile=True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="generate.compile runs on a CUDA device only")
+def test_compiled_decode_equals_the_dynamic_cache_on_cuda(tiny):
+    """generate.compile=true (static cache + torch.compile of the decode step): the same greedy tokens as the
+    plain dynamic-cache path, for one prompt and a padded batch of 4, on a copy of the tiny model on the GPU."""
+    import copy
+
+    model, tokenizer = tiny
+    gpu = copy.deepcopy(model).to("cuda").eval()
+    for batch in (1, 4):
+        prompts = encode(tokenizer, PROMPTS[:batch])
+        plain = Sampler(gpu, tokenizer).generate(prompts, max_new_tokens=12, do_sample=False)
+        compiled = Sampler(gpu, tokenizer, GenerateConfig(compile=True)).generate(prompts, max_new_tokens=12,
+                                                                                   do_sample=False)
+        assert [s.token_ids for s in compiled.sequences] == [s.token_ids for s in plain.sequences]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_static_cache_equals_dynamic_and_transformers_static(tiny, batch):
     """generate.static_cache: the fixed-size cache (the compile path's cache) changes no token, for a padded batch

@@ -152,14 +152,26 @@ def test_multirun_grid_writes_two_run_directories(tmp_path):
         adapter = sweep_dir / str(num) / "adapter"
         assert json.loads((adapter / "adapter_config.json").read_text())["r"] == rank
         assert (sweep_dir / str(num) / "metrics.json").is_file()
+    # The same grid again into the same out_dir: refused before Hydra rewrites any point's .hydra/
+    snapshot = {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("*") if p.is_file()}
+    again = run_cli(["-m", "lora.r=4,8", *args])
+    assert again.returncode == 2 and f"{sweep_dir / '0'} already holds a training run" in again.stderr
+    assert {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("*") if p.is_file()} == snapshot
 
 
 def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
     """Bad data, a resume with another LoRA shape, a second run into a finished run: one line each, exit 2,
     and nothing written or overwritten (checked before the model loads and before the run directory is used)."""
+    from omegaconf import OmegaConf
+
     run_dir = tmp_path / "run"
+    text = "Answer plainly; ${HOME} and {x} are text"  # a literal ${ must survive into config.yaml as text
     args = [a.replace("train.max_steps=6", "train.max_steps=3") for a in train_overrides(tmp_path, run_dir)]
-    assert run_cli(args).returncode == 0
+    args.append(f"data.system_prompt={text}")
+    first = run_cli(args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)["data"]["system_prompt"] \
+        == text
     saved = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
     refused = [([*args, "train.resume=auto", "lora.r=4"], "lora.r=16 in the run, 4 now"),
                (args, "already holds a training run")]
