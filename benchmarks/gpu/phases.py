@@ -204,7 +204,7 @@ def decode_phase(model, tokenizer, args, memory, bandwidth: float) -> List[dict]
         for _ in range(args.repeats):
             for arm, fn in (("ours", ours), ("hf", hf)):
                 memory.reset()
-                out, speed, _ = clock.measure(lambda: fn(n), batch)
+                out, speed, _, _ = clock.measure(lambda: fn(n), batch)
                 peaks[arm] = max(peaks[arm], memory.peak())
                 speeds[arm].append(speed)
                 if arm == "ours":
