@@ -118,6 +118,9 @@ def _compose_message(exc: BaseException) -> str:
     if first.startswith("LexerNoViableAltException:"):  # "LexerNoViableAltException: KEY=VALUE"
         override = first.split(":", 1)[1].strip()
         key, _, value = override.partition("=")
+        if value.startswith(("[", "{")):
+            return (f"{override}: Hydra cannot read this value; quote each text item inside it, e.g. "
+                    f"\"{key}=['text']\"")
         if value:  # Hydra's grammar takes unquoted values of letters, digits and a few symbols only
             return (f"{override}: Hydra cannot read this value unquoted; quote it for Hydra inside the shell's "
                     f"quotes: \"{key}='{value}'\"")

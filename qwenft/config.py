@@ -340,6 +340,9 @@ class GenerateConfig:
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens", self.min_new_tokens,
                "must be in [0, generate.max_new_tokens]")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            _check(value is None or math.isfinite(value), f"generate.{name}", value, "must be a finite number")
         _check(self.temperature is None or self.temperature >= 0, "generate.temperature", self.temperature,
                "must be >= 0 (0 means greedy)")
         _check(self.top_k is None or self.top_k >= 0, "generate.top_k", self.top_k, "must be >= 0 (0 disables)")

@@ -450,12 +450,20 @@ def load_adapter(model, adapter_dir: str, trainable: bool = False):
     """Load a saved PEFT LoRA adapter directory onto a base model.
 
     Raises:
-        QwenftError: ``adapter_dir`` has no adapter_config.json (it is written by ``python -m qwenft train``).
+        QwenftError: ``adapter_dir`` has no adapter_config.json (it is written by ``python -m qwenft train``), or its
+            weights have other shapes than ``model``'s layers (an adapter of another base model).
     """
     from peft import PeftModel
 
     path = check_adapter_dir(adapter_dir)
-    return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    try:
+        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    except RuntimeError as exc:
+        if "size mismatch" not in str(exc):
+            raise
+        name = getattr(getattr(model, "config", None), "_name_or_path", "the loaded model")
+        raise QwenftError(f"adapter={adapter_dir!r} does not fit {name}: its LoRA shapes belong to another base model; "
+                          "pass the model it was trained on (model=... / model.source=... model.path=...)") from None
 
 
 def check_adapter_dir(adapter_dir: str) -> Path:

@@ -185,7 +185,8 @@ def check_run_dir(config: Config) -> Optional[str]:
 
     Raises:
         QwenftError: ``out_dir`` already holds a run and ``train.resume=none``; a resume with other model / quant /
-            LoRA settings than the run's (:func:`check_resume_config`); a bad ``train.resume`` path.
+            LoRA settings than the run's (:func:`check_resume_config`); a resume from a checkpoint that already
+            reached ``train.max_steps`` / ``train.epochs``; a bad ``train.resume`` path.
     """
     out_dir = Path(config.out_dir).expanduser()
     resume_from = find_resume_checkpoint(config, out_dir / "checkpoints")
@@ -195,7 +196,23 @@ def check_run_dir(config: Config) -> Optional[str]:
                           "train.epochs if it finished), or choose another out_dir")
     if resume_from:  # <run>/checkpoints/checkpoint-N: that run's config.yaml
         check_resume_config(config, Path(resume_from).parent.parent)
+        _check_not_finished(config, Path(resume_from))
     return resume_from
+
+
+def _check_not_finished(config: Config, checkpoint: Path) -> None:
+    """Refuse to resume from a checkpoint that already reached ``train.max_steps`` (or ``train.epochs``)."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+        step, epoch = int(state["global_step"]), float(state.get("epoch") or 0.0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the Trainer reports an unreadable checkpoint itself
+    t = config.train
+    done = step >= t.max_steps if t.max_steps > 0 else epoch >= t.epochs - 1e-9
+    if done:
+        limit = f"train.max_steps={t.max_steps}" if t.max_steps > 0 else f"train.epochs={t.epochs}"
+        raise QwenftError(f"train.resume: {checkpoint} is already at step {step} (epoch {epoch:.2f}), which reaches "
+                          f"{limit}; raise it to train further (the finished run is in {checkpoint.parent.parent})")
 
 
 def _holds_a_run(out_dir: Path) -> bool:
@@ -229,7 +246,7 @@ def check_resume_config(config: Config, out_dir: Path) -> None:
               if key in saved and key.startswith(RESUME_KEYS) and saved[key] != now[key]]
     if differ:
         raise QwenftError(f"train.resume: {out_dir} was trained with other settings ({'; '.join(differ)}); resume "
-                          "with the run's settings, or start a new run (another out_dir, or train.resume=none)")
+                          "with the run's settings, or start a new run in another out_dir")
 
 
 def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None) -> Path:

@@ -143,9 +143,12 @@ def test_a_refused_run_removes_only_the_run_directory_it_created(tmp_path):
 def test_unreadable_values_and_impossible_numbers_are_one_line(tmp_path):
     result = run_cli("data", "out_dir=/tmp/路径")
     assert result.returncode == 2 and "quote it" in result.stderr and "\"out_dir='/tmp/路径'\"" in result.stderr
-    for key in ("train.lr=inf", "train.lr=nan", "train.epochs=inf", "train.weight_decay=nan"):
+    for key in ("train.lr=inf", "train.lr=nan", "train.epochs=inf", "train.weight_decay=nan", "generate.temperature=inf",
+                "generate.top_p=nan"):
         with pytest.raises(ConfigError, match=f"{key.split('=')[0]}=.*finite"):
             compose_config(key)
+    result = run_cli("generate", "model=tiny-random", "prompt=x", "generate.stop_strings=[停]")
+    assert result.returncode == 2 and "quote each text item" in result.stderr
     a_file = tmp_path / "a_file"
     a_file.write_text("keep")
     result = run_cli("eval", "model=tiny-random", f"out_dir={a_file}")

@@ -235,3 +235,13 @@ def test_a_hub_model_that_cannot_be_reached_is_one_line(tmp_path):
         load_tokenizer("Qwen/qwenft-no-such-model")
     with pytest.raises(QwenftError, match=f"model {tmp_path}: cannot load it"):
         load_tokenizer(str(tmp_path))  # a directory without tokenizer files
+
+
+def test_an_adapter_of_another_base_is_one_line(tmp_path):
+    """LoRA shapes that do not fit the loaded model: QwenftError naming the adapter, not peft's size-mismatch dump."""
+    small = compose_config("model=tiny-random", "quant=none", "model.tiny.hidden_size=32")
+    model, _ = load_model(small, device="cpu")
+    attach_lora(model, small.lora).save_pretrained(str(tmp_path / "adapter"))
+    other, _ = load_model(compose_config("model=tiny-random", "quant=none"), device="cpu")  # hidden size 64
+    with pytest.raises(QwenftError, match="does not fit .*another base model"):
+        load_adapter(other, str(tmp_path / "adapter"))

@@ -174,6 +174,7 @@ def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
         == text
     saved = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
     refused = [([*args, "train.resume=auto", "lora.r=4"], "lora.r=16 in the run, 4 now"),
+               ([*args, "train.resume=auto"], "is already at step 3 (epoch"),  # finished: nothing left to train
                (args, "already holds a training run")]
     for argv, message in refused:
         result = run_cli(argv)
