@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Sequence
+
+from qwenft.files import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,10 +47,7 @@ def save_json(name: str, payload: Dict[str, Any], out_dir: Path | None = None) -
     out_dir = Path(out_dir or os.environ.get("OUT") or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=2, default=str)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(payload, indent=2, default=str))
     print(f"saved {path}")
     return path
 

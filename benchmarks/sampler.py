@@ -11,6 +11,16 @@ processors, token choice, stop checks) is included. Decode tokens/s = ``batch * 
 median over the repeats. (A difference of whole-call times, T(N) - T(1), is too noisy where the prefill
 dominates, as it does on a CPU without native bf16.)
 
+Three ratios are reported. ``ratio``: of the whole-decode rates (median over repeats). ``ratio, median step``:
+of ``batch / median step seconds`` (not moved by a single slow step). ``ratio, paired steps``: the median over
+every decode step of ``HF step seconds / ours step seconds``, pairing step i of an ours call with step i of the
+HF call right after it (the same token fed, the same cache length, seconds apart), with a 95% bootstrap
+interval; it removes both the spikes and the drift between repeats. Beside them: the same pairing of the model
+forwards alone (``forward_ratio_paired``, ~1.0 when both arms feed the model the same inputs, which they do) and
+``ratio_from_host_time`` = (F + host_HF) / (F + host_ours), F the median decode forward of both arms: the step
+ratio that follows from the measured host times when the forwards are equal, i.e. what the sampler's own code
+decides, without the forward's noise (which at NF4 batch 1 on a CPU is several times the host difference).
+
 Memory-bandwidth floor: a decode step must read every weight once (the input embedding excepted: only
 ``batch`` rows of it), so one step takes at least ``weight_bytes / bandwidth`` seconds, where bandwidth is
 a measured large-tensor copy (STREAM "copy" convention: bytes read + bytes written, per second). The
@@ -90,9 +100,37 @@ class DecodeClock:
         import torch
 
         self.starts, self.ends = [], []
+        self.last_steps: list = []  # seconds of each decode step of the last measure() call, in order
+        self.last_forwards: list = []  # seconds of each decode forward (the model alone) of that call
         self.cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
-        self.handles = [model.register_forward_pre_hook(lambda *a: self._mark(self.starts)),
+        self.record_inputs = False  # when set, measure() also keeps what every forward was given (last_inputs)
+        self.last_inputs: list = []
+        # registered first, so its own cost falls outside the timed forward
+        self.handles = [model.register_forward_pre_hook(self._record, with_kwargs=True),
+                        model.register_forward_pre_hook(lambda *a: self._mark(self.starts)),
                         model.register_forward_hook(lambda *a: self._mark(self.ends))]
+
+    def _record(self, module, args, kwargs):
+        """Keep a comparable copy of one forward's inputs: tensor values (small ones) or shape and dtype, and
+        the type of anything else (e.g. the cache class)."""
+        import torch
+
+        if not self.record_inputs:
+            return None
+        seen = {}
+        for key, value in sorted(kwargs.items()):
+            if isinstance(value, torch.Tensor):
+                seen[key] = (tuple(value.shape), str(value.dtype),
+                             value.tolist() if value.numel() <= 1 << 14 else None)
+            elif value is None:  # the same as not passing it
+                continue
+            elif isinstance(value, (bool, int, float, str)):
+                seen[key] = value
+            else:
+                seen[key] = type(value).__name__
+        seen.setdefault("return_dict", True)  # generate passes the model's default explicitly
+        self.last_inputs.append(seen)
+        return None
 
     def _mark(self, marks):
         if self.cuda:
@@ -111,13 +149,28 @@ class DecodeClock:
         """
         self.starts.clear()
         self.ends.clear()
+        self.last_inputs = []
         result = fn()
         end = time.perf_counter()
         decode_forwards = len(self.starts) - 1
         gaps = [self.starts[i + 1] - self.ends[i] for i in range(1, len(self.starts) - 1)]
         steps = [b - a for a, b in zip(self.starts[1:], [*self.starts[2:], end])]
+        self.last_steps = steps
+        self.last_forwards = [self.ends[i] - self.starts[i] for i in range(1, len(self.starts))]
         return (result, batch * decode_forwards / (end - self.starts[1]), statistics.median(gaps),
                 batch / statistics.median(steps))
+
+
+def bootstrap_median_ci(groups, resamples: int = 2000, seed: int = 0):
+    """95% percentile-bootstrap interval ``[low, high]`` of the median of the pooled values of ``groups`` (one
+    list per repeat), resampling whole repeats (a cluster bootstrap, Davison & Hinkley 1997, sec. 3.8): the
+    steps of one call share the machine's state at that moment, so they are not independent draws. The
+    interval is the 2.5th and 97.5th percentiles of ``resamples`` seeded resamples."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(sum(rng.choices(groups, k=len(groups)), [])) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
 def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: float, model_preset=None):
@@ -156,9 +209,12 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
 
         ours(2), hf(2)  # warm-up
         speeds, host, step_speeds = {"ours": [], "hf": []}, {"ours": [], "hf": []}, {"ours": [], "hf": []}
-        internal, tokens = [], {}
-        for _ in range(repeats):
+        internal, tokens, paired, paired_forwards, forwards = [], {}, [], [], []
+        same_inputs = None
+        for repeat in range(repeats):
+            clock.record_inputs = repeat == 0  # once: recording costs host time (in both arms alike)
             out, speed, gap, step_speed = clock.measure(lambda: ours(new_tokens), batch)
+            ours_steps, ours_forwards, ours_inputs = clock.last_steps, clock.last_forwards, clock.last_inputs
             step_speeds["ours"].append(step_speed)
             speeds["ours"].append(speed)
             host["ours"].append(gap)
@@ -169,9 +225,16 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
             speeds["hf"].append(speed)
             host["hf"].append(gap)
             tokens["hf"] = [row[ids.shape[1]:].tolist() for row in out]
+            if clock.record_inputs:  # every forward (prefill and decode) given the same inputs in both arms
+                same_inputs = ours_inputs == clock.last_inputs
+            if len(clock.last_steps) == len(ours_steps):  # step i of both arms: same token, same cache length
+                paired.append([h / o for o, h in zip(ours_steps, clock.last_steps)])
+                paired_forwards.append([h / o for o, h in zip(ours_forwards, clock.last_forwards)])
+                forwards.extend([*ours_forwards, *clock.last_forwards])
         result = {"quant": "nf4" if quant == "nf4" else "bf16", "batch": batch, "new_tokens": new_tokens,
                   "compute_dtype": str(compute_dtype).replace("torch.", ""),
-                  "repeats": repeats, "same_tokens": tokens["ours"] == tokens["hf"], "weight_bytes_per_step": weights,
+                  "repeats": repeats, "same_tokens": tokens["ours"] == tokens["hf"],
+                  "same_forward_inputs": same_inputs, "weight_bytes_per_step": weights,
                   "floor_s_per_step": floor_s, "ceiling_tokens_per_s": batch / floor_s}
         for arm in ("ours", "hf"):
             result[f"{arm}_decode_tokens_per_s_runs"] = speeds[arm]
@@ -182,19 +245,40 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
         for arm in ("ours", "hf"):
             result[f"{arm}_median_step_tokens_per_s"] = statistics.median(step_speeds[arm])
         result["ratio_median_step"] = result["ours_median_step_tokens_per_s"] / result["hf_median_step_tokens_per_s"]
+        if paired:
+            result["ratio_paired_steps"] = statistics.median(sum(paired, []))
+            result["ratio_paired_steps_ci95"] = bootstrap_median_ci(paired)
+            result["paired_steps"] = len(sum(paired, []))
+            # The model forward alone, paired the same way: ~1.0 when both arms feed the model the same inputs.
+            result["forward_ratio_paired"] = statistics.median(sum(paired_forwards, []))
+            result["forward_ratio_paired_ci95"] = bootstrap_median_ci(paired_forwards)
+            # Step = forward + host work; with the forwards equal, the step ratio is (F + host_HF) / (F + host_ours),
+            # F the median forward of both arms pooled: the part of the ratio the sampler's own code decides.
+            forward_s = statistics.median(forwards)
+            result["median_forward_ms"] = 1000 * forward_s
+            result["ratio_from_host_time"] = ((forward_s + statistics.median(host["hf"]))
+                                              / (forward_s + statistics.median(host["ours"])))
         result["ours_internal_decode_tokens_per_s"] = statistics.median(s.decode_tokens_per_s for s in internal)
         result["ours_internal_prefill_tokens_per_s"] = statistics.median(s.prefill_tokens_per_s for s in internal)
         result["kv_cache_bytes"] = internal[-1].kv_cache_bytes
         rows.append(result)
         print(f"  {result['quant']} batch {batch}: ours {result['ours_decode_tokens_per_s']:.1f} tok/s, "
               f"HF {result['hf_decode_tokens_per_s']:.1f} tok/s, ratio {result['ratio']:.3f} (median step "
-              f"{result['ratio_median_step']:.3f}); host ms/step "
+              f"{result['ratio_median_step']:.3f}, paired steps {result.get('ratio_paired_steps', float('nan')):.3f}); "
+              f"host ms/step "
               f"ours {result['ours_host_ms_per_step']:.1f}, HF {result['hf_host_ms_per_step']:.1f}", flush=True)
     for handle in clock.handles:
         handle.remove()
     del model, sampler
     gc.collect()
     return rows
+
+
+def _paired(result) -> str:
+    if "ratio_paired_steps" not in result:
+        return "-"
+    low, high = result["ratio_paired_steps_ci95"]
+    return f"{result['ratio_paired_steps']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def _threads() -> int:
@@ -228,12 +312,15 @@ def main() -> None:
     for quant in args.quants.split(","):
         rows.extend(bench_model(quant, batches, new_tokens, repeats, bandwidth, args.model))
     print_table(f"decode tokens/s, greedy, {new_tokens} new tokens, median of {repeats} (ours vs transformers)",
-                ["weights", "batch", "ours tok/s", "HF tok/s", "ratio", "ratio (median step)", "host ms/step ours|HF",
+                ["weights", "batch", "ours tok/s", "HF tok/s", "ratio", "ratio (median step)",
+                 "ratio (paired steps) [95% CI]", "forward ratio (paired)", "ratio from host time",
+                 "host ms/step ours|HF", "same forward inputs",
                  "ceiling tok/s",
                  "ours frac", "HF frac", "same tokens"],
                 [[r["quant"], r["batch"], f"{r['ours_decode_tokens_per_s']:.1f}", f"{r['hf_decode_tokens_per_s']:.1f}",
-                  f"{r['ratio']:.3f}", f"{r['ratio_median_step']:.3f}",
-                  f"{r['ours_host_ms_per_step']:.1f} | {r['hf_host_ms_per_step']:.1f}",
+                  f"{r['ratio']:.3f}", f"{r['ratio_median_step']:.3f}", _paired(r),
+                  f"{r.get('forward_ratio_paired', float('nan')):.3f}", f"{r.get('ratio_from_host_time', float('nan')):.4f}",
+                  f"{r['ours_host_ms_per_step']:.1f} | {r['hf_host_ms_per_step']:.1f}", r["same_forward_inputs"],
                   f"{r['ceiling_tokens_per_s']:.1f}", f"{r['ours_fraction_of_ceiling']:.1%}",
                   f"{r['hf_fraction_of_ceiling']:.1%}", r["same_tokens"]] for r in rows])
     save_json("sampler", {"benchmark": "sampler", "environment": environment(), "copy_bandwidth_bytes_per_s": bandwidth,

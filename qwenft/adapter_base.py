@@ -72,7 +72,8 @@ def inference_config(config: Config) -> Config:
     trained one). The quantization (method, double quant, compute dtype) is
     the trained one unless the command line changed one of them from the defaults (e.g. ``quant=none`` to run
     the adapter on a 16-bit base); the inference-only ``quant`` keys always come from the command line.
-    Without ``adapter``, or without ``qwenft.json``, ``config`` is returned as it is.
+    The system prompt the adapter was trained with (``data.system_prompt``) is used unless the command line
+    sets one. Without ``adapter``, or without ``qwenft.json``, ``config`` is returned as it is.
 
     Raises:
         QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
@@ -80,8 +81,13 @@ def inference_config(config: Config) -> Config:
     if not config.adapter:
         return config
     adapter_dir = Path(config.adapter).expanduser()
-    if read_adapter_meta(adapter_dir) is None:
+    meta = read_adapter_meta(adapter_dir)
+    if meta is None:
         return config
+    trained_system = meta.get("system_prompt")
+    if config.data.system_prompt is None and isinstance(trained_system, str):
+        log.info("system prompt from the adapter's %s: %r", ADAPTER_META, trained_system)
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, system_prompt=trained_system))
     model, saved_quant, why = resolve_base(config.model, config.quant, adapter_dir)
     model = dataclasses.replace(model, dtype=config.model.dtype, attn_implementation=config.model.attn_implementation)
     if config.model.rope_scaling != ModelConfig().rope_scaling:  # asked for on the command line: it wins

@@ -124,6 +124,11 @@ def _compose_message(exc: BaseException) -> str:
         if value:  # Hydra's grammar takes unquoted values of letters, digits and a few symbols only
             return (f"{override}: Hydra cannot read this value unquoted; quote it for Hydra inside the shell's "
                     f"quotes: \"{key}='{value}'\"")
+    ambiguous = re.match(r"Ambiguous value for argument '(([^=']+)=(.*))'$", first)
+    if ambiguous:  # a comma outside -m: Hydra will not guess between a list, a text and a sweep
+        override, key, value = ambiguous.groups()
+        return (f"{override}: a comma makes this a sweep; quote a value holding a comma (\"{key}='{value}'\"), "
+                f"write a list as {key}=[{value}], or add -m to run one job per value")
     return first.replace("Error merging override ", "")
 
 
@@ -241,15 +246,39 @@ def discard_untouched_run_dir(run_dir: Path, command: str) -> bool:
     return True
 
 
+def hydra_snapshot(run_dir: Path) -> Dict[str, bytes]:
+    """The files of ``run_dir/.hydra`` (Hydra's config snapshot of the run), by name; empty when there are none."""
+    folder = run_dir / ".hydra"
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
+
+
+def restore_hydra_snapshot(run_dir: Path, snapshot: Dict[str, bytes]) -> None:
+    """Put back ``run_dir/.hydra`` as :func:`hydra_snapshot` found it (each file written atomically), so that a
+    refused command in an existing run directory leaves that run's record of how it was run unchanged."""
+    from qwenft.files import atomic_write_bytes
+
+    folder = run_dir / ".hydra"
+    if not snapshot:  # the directory had no .hydra/ before this command
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if path.is_file() and path.name not in snapshot:
+            path.unlink()
+    for name, data in snapshot.items():
+        atomic_write_bytes(folder / name, data)
+
+
 def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], existing: Sequence[str] = ()) -> None:
     """Hand the command to ``@hydra.main`` (run dir, config snapshot, logging, multirun).
 
-    ``existing``: run directories that existed before this invocation; they are never discarded.
+    ``existing``: run directories that existed before this invocation; they are never discarded, and a command
+    refused with a user error puts their ``.hydra/`` back as it was.
     """
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
+    snapshots = {path: hydra_snapshot(Path(path)) for path in existing}
     extra = [f"command={command}", f"hydra.job.name={command}"]
     if command not in RUN_DIR_COMMANDS:
         extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
@@ -264,9 +293,12 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
                 run_dir = Path(config.out_dir).expanduser().resolve()
             return _resolve(command)(config)
         except QwenftError as exc:
-            if run_dir is not None and str(run_dir) not in existing and os.environ.get("RANK", "0") == "0":
-                logging.shutdown()  # close Hydra's log file before removing its folder
-                discard_untouched_run_dir(run_dir, command)
+            if run_dir is not None and os.environ.get("RANK", "0") == "0":
+                if str(run_dir) in snapshots:
+                    restore_hydra_snapshot(run_dir, snapshots[str(run_dir)])
+                else:
+                    logging.shutdown()  # close Hydra's log file before removing its folder
+                    discard_untouched_run_dir(run_dir, command)
             fail(str(exc))
         except KeyboardInterrupt:
             fail("interrupted", code=130)

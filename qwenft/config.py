@@ -429,6 +429,8 @@ class InspectConfig:
     out: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check(self.layers is None or len(self.layers) > 0, "inspect.layers", self.layers,
+               "must name at least one layer, e.g. inspect.layers=[0,-1], or be null for all layers")
         _check(self.top_k >= 1, "inspect.top_k", self.top_k, "must be >= 1")
         _check(self.top_positions >= 1, "inspect.top_positions", self.top_positions, "must be >= 1")
         _check(self.top_moved >= 1, "inspect.top_moved", self.top_moved, "must be >= 1")
@@ -582,8 +584,7 @@ def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:
         for key in node.keys():
             path = f"{prefix}.{key}" if prefix else str(key)
             if key not in fields:
-                accepted = ", ".join(fields)
-                found.append(f"unknown key '{path}'; accepted keys{' in ' + prefix if prefix else ''}: {accepted}")
+                found.append(unknown_key_message(path))
                 continue
             child_type = _field_type(schema_type, str(key))
             found.extend(_unknown_keys(node._get_node(key), child_type, path))
@@ -592,6 +593,41 @@ def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:
         for i, item in enumerate(node._iter_ex(resolve=False)):
             found.extend(_unknown_keys(node._get_node(i), item_type, f"{prefix}[{i}]"))
     return found
+
+
+# Names other tools use for a key (peft, transformers' TrainingArguments, torchtune, axolotl) -> qwenft's name.
+KEY_ALIASES = {"rank": "r", "lora_r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+               "learning_rate": "lr", "num_train_epochs": "epochs", "num_epochs": "epochs",
+               "per_device_train_batch_size": "batch_size", "micro_batch_size": "batch_size",
+               "gradient_accumulation": "grad_accum", "gradient_accumulation_steps": "grad_accum",
+               "max_length": "max_seq_len", "sequence_len": "max_seq_len", "seq_len": "max_seq_len",
+               "max_tokens": "max_new_tokens", "topk": "top_k", "topp": "top_p", "minp": "min_p"}
+
+
+def unknown_key_message(path: str) -> str:
+    """One line for a key the schema does not define: a likely intended key (another tool's name for it, or a
+    close spelling) and the keys accepted at that level, e.g. ``unknown key 'lora.alpha'; did you mean
+    lora.lora_alpha? accepted keys in lora: r, lora_alpha, ...``."""
+    import difflib
+
+    parts = [p for p in re.split(r"\.|(?=\[)", path) if p]  # data.sources[0].x -> data, sources, [0], x
+    cls: Any = Config
+    for part in parts[:-1]:
+        if part.startswith("[") or part.isdigit():  # a list index: the item type
+            cls = cls.__args__[0] if getattr(cls, "__origin__", None) in (list, List) else None
+            continue
+        if not dataclasses.is_dataclass(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
+            return f"unknown key '{path}'"
+        cls = _field_type(cls, part)
+    if not dataclasses.is_dataclass(cls):
+        return f"unknown key '{path}'"
+    names = [f.name for f in dataclasses.fields(cls)]
+    last = parts[-1]
+    prefix = path[: len(path) - len(last)].rstrip(".")
+    guess = KEY_ALIASES.get(last) if KEY_ALIASES.get(last) in names else None
+    guess = guess or next(iter(difflib.get_close_matches(last, names, n=1, cutoff=0.6)), None)
+    hint = f" (did you mean {prefix + '.' if prefix else ''}{guess}?)" if guess else ""
+    return f"unknown key '{path}'{hint}; accepted keys{' in ' + prefix if prefix else ''}: {', '.join(names)}"
 
 
 def _field_type(cls: Any, name: str) -> Any:
@@ -650,6 +686,8 @@ def omegaconf_message(exc: BaseException) -> str:
     """One line from an OmegaConf error: the full key and the reason."""
     key = getattr(exc, "full_key", None)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if key and re.match(r"Key '[^']*' (is )?not in", first):  # an unknown key: suggest the intended one
+        return unknown_key_message(str(key))
     if key:
         return f"{key}: {first}"
     return first

@@ -20,12 +20,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from qwenft.config import Config, LoraConfig, ModelConfig, QuantConfig, QwenftError
+from qwenft.files import atomic_write_text, staging_dir
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def embedded_model_dir() -> Path:
             return final
         parts = _embedded_parts()
         log.info("converting the embedded model once into %s (about a minute)", final)
-        work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        work = staging_dir(final.parent)
         try:
             gguf = work / "model.gguf"
             digest, size = hashlib.sha256(), 0
@@ -273,8 +273,11 @@ def _disable_cpu_repacking(model) -> int:
     return count
 
 
-def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
+def load_model(cfg: Config, device: Optional[str] = None, tokenizer=None) -> Tuple[Any, Any]:
     """Load the tokenizer and the base model described by ``cfg.model`` and ``cfg.quant``.
+
+    ``tokenizer``: one already loaded from the same source (:func:`load_tokenizer`; training loads it first to
+    build the data), used as is instead of loading it again.
 
     The base is frozen-ready (no LoRA yet), on ``device`` (default: :func:`default_device`), with its
     generation_config stopping on every end token (:func:`stop_token_ids`) and padding with the
@@ -302,7 +305,8 @@ def load_model(cfg: Config, device: Optional[str] = None) -> Tuple[Any, Any]:
     check_attention(cfg.model.attn_implementation, device)
     model_dir = resolve_model_dir(cfg.model)
     revision = cfg.model.revision if cfg.model.source == "hub" else None
-    tokenizer = load_tokenizer(model_dir, revision)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_dir, revision)
     storage = cfg.dist.quant_storage
     bnb = quantization_config(cfg.quant, storage)
     if bnb is not None and cfg.command != "train" and (Path(model_dir) / MERGE_MARKER).is_file() \
@@ -487,7 +491,7 @@ def save_adapter_meta(adapter_dir, config: Config) -> None:
     """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
 
     Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the
-    run name and the data sources (name and path); ``model.dtype`` and ``quant.compute_dtype`` are stored
+    run name, the data sources (name and path) and the system prompt trained with (``data.system_prompt``); ``model.dtype`` and ``quant.compute_dtype`` are stored
     resolved (``auto`` -> what this machine uses, :func:`resolve_dtype`). Written atomically (temp name, then
     ``os.replace``). Call it in the training process.
 
@@ -513,16 +517,9 @@ def save_adapter_meta(adapter_dir, config: Config) -> None:
         "lora": dataclasses.asdict(config.lora),
         "train": dataclasses.asdict(config.train),
         "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],
+        "system_prompt": config.data.system_prompt,
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{ADAPTER_META}.", dir=path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(meta, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-        os.replace(tmp, path / ADAPTER_META)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path / ADAPTER_META, json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
 
 def read_adapter_meta(adapter_dir) -> Optional[dict]:

@@ -13,10 +13,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from qwenft.config import TinyModelConfig
+from qwenft.files import staging_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2.5 renders it (system turn first, default system prompt when none is given).
@@ -101,7 +101,7 @@ def tiny_model_dir(tcfg: TinyModelConfig) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(tcfg)
     model = build_model(tcfg, tokenizer)
-    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    work = staging_dir(final.parent)
     try:
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)

@@ -19,31 +19,18 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from qwenft.config import Config, ConfigError, QwenftError
+from qwenft.files import atomic_write_text, publish_tree, staging_dir
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteError(QwenftError):
     """The loss or a gradient became NaN/inf; the run stops, the last good checkpoint stays."""
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _precision(config: Config, model) -> Dict[str, bool]:
@@ -127,6 +114,7 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path)
                             data_collator=DataCollator(tokenizer, flatten=config.data.packing and
                                                        config.model.attn_implementation == "flash_attention_2"))
     trainer.add_callback(ProgressBarCallback())
+    trainer.qwenft_config = config
     return trainer
 
 
@@ -258,13 +246,14 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
     from qwenft.model import save_adapter_meta
 
     final = out_dir / "adapter"
-    staging = Path(tempfile.mkdtemp(prefix=".tmp-adapter-", dir=out_dir))
+    staging = staging_dir(out_dir, ".tmp-adapter-")
     try:
         extra = {"state_dict": state_dict} if state_dict is not None else {}
         model.save_pretrained(str(staging), safe_serialization=True, **extra)
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
         save_adapter_meta(str(staging), config)
+        publish_tree(staging)
         if final.exists():
             old = out_dir / f".old-adapter-{os.getpid()}"
             os.replace(final, old)
@@ -344,7 +333,7 @@ def run(config: Config) -> Path:
         _wandb_env(config)  # the Trainer's W&B callback starts a run on rank 0 only
 
     log.info("distributed: %s", dist.describe(config))
-    model, tokenizer = load_model(config)
+    model, tokenizer = load_model(config, tokenizer=tokenizer)
     set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
     model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
                         keep_dtype=config.dist.quant_storage != "uint8")

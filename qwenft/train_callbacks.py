@@ -15,6 +15,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from qwenft.files import publish_tree
 from qwenft.train import NonFiniteError
 
 log = logging.getLogger("qwenft.train")
@@ -26,6 +27,8 @@ class QwenftTrainer(Trainer):
     - checkpoints are written under a temporary name and renamed to ``checkpoint-N`` when complete;
     - a non-finite loss or gradient stops the run (:class:`NonFiniteError`, naming the step) before anything
       of that step is saved;
+    - every checkpoint carries ``qwenft.json`` (the base, quantization and LoRA settings), so
+      ``adapter=.../checkpoint-N`` runs on the right base like the final adapter;
     - ``tokens_seen`` counts the non-padding tokens trained on, and logs carry ``tokens_per_s`` and, for
       eval, ``eval_perplexity = exp(eval_loss)``.
     """
@@ -36,6 +39,7 @@ class QwenftTrainer(Trainer):
         self.tokens_seen = 0
         self._staging: Optional[str] = None
         self._last_log = (time.perf_counter(), 0)
+        self.qwenft_config = None  # set by make_trainer: written into every checkpoint as qwenft.json
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Causal LM loss with the vocabulary projection applied to supervised positions only.
@@ -106,6 +110,11 @@ class QwenftTrainer(Trainer):
             super()._save_checkpoint(model, trial)
             dist.barrier()
             if main:
+                if self.qwenft_config is not None:  # a checkpoint names its base like the final adapter does
+                    from qwenft.model import save_adapter_meta
+
+                    save_adapter_meta(os.path.join(self._staging, name), self.qwenft_config)
+                publish_tree(os.path.join(self._staging, name))  # safetensors writes its files 0600
                 final = os.path.join(root, name)
                 if os.path.exists(final):  # the same step saved again (e.g. after a resume)
                     shutil.rmtree(final)

@@ -88,6 +88,34 @@ def test_suite_runs_a_benchmark_and_collects_its_ratio(tmp_path):
     assert "perplexity" in proc.stdout and "batched_over_single" in proc.stdout  # the summary table
 
 
+def test_sampler_benchmark_pairs_steps_and_checks_the_forward_inputs(tmp_path):
+    """benchmarks/sampler.py on tiny-random: both arms give the model the same inputs at every forward (so a
+    forward-time difference between them is noise), and the paired ratios and their intervals are recorded."""
+    proc = subprocess.run([sys.executable, "benchmarks/sampler.py", "--model", "tiny-random", "--quants", "none",
+                           "--batches", "1,3", "--new-tokens", "5", "--repeats", "2"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "sampler.json").read_text())["results"]
+    assert [row["batch"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["same_tokens"] is True and row["same_forward_inputs"] is True, row
+        assert row["paired_steps"] == 2 * 4  # 2 repeats x (5 tokens - the first, chosen from the prefill logits)
+        low, high = row["ratio_paired_steps_ci95"]
+        assert low <= row["ratio_paired_steps"] <= high
+        for key in ("ratio", "ratio_median_step", "forward_ratio_paired", "ratio_from_host_time", "median_forward_ms"):
+            assert _positive(row[key]), (key, row)
+
+
+def test_bootstrap_interval_resamples_whole_repeats():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.sampler import bootstrap_median_ci
+
+    assert bootstrap_median_ci([[1.0, 1.0], [1.0, 1.0]]) == [1.0, 1.0]
+    # Two repeats whose steps agree within each but not between: resampling repeats (not steps) gives an interval
+    # spanning both, as the repeat-to-repeat spread warrants.
+    assert bootstrap_median_ci([[0.9] * 20, [1.1] * 20]) == [0.9, 1.1]
+
+
 def test_suite_rejects_an_unknown_benchmark():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -46,6 +46,11 @@ def test_group_options_and_overrides():
     ("generate.top_p=1.5", "generate.top_p"),
     ("data.sources=[{name: a, path: x.jsonl, weight: -1}]", "weight"),
     ("model=gpt2", "model"),
+    ("lora.alpha=8", "(did you mean lora.lora_alpha?)"),  # another tool's name: the intended key is named
+    ("train.learning_rate=1e-4", "(did you mean train.lr?)"),
+    ("+data.sources.0.wieght=1", "(did you mean data.sources[0].weight?)"),
+    ("out_dir=a,b", "\"out_dir='a,b'\""),  # a comma outside -m: how to quote it
+    ("inspect.layers=[]", "inspect.layers"),
 ])
 def test_bad_overrides_name_the_key(override, key):
     register_resolvers()

@@ -56,8 +56,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(tmp_path: Path, cwd: Path, args: list, patch: str = "", timeout: int = 300, accelerate: bool = False):
-    """``torchrun --standalone --nproc_per_node=2 <launcher> train ARGS`` in ``cwd`` (or ``accelerate launch``)."""
+def torchrun(tmp_path: Path, cwd: Path, args: list, patch: str = "", timeout: int = 900, accelerate: bool = False):
+    """``torchrun --standalone --nproc_per_node=2 <launcher> train ARGS`` in ``cwd`` (or ``accelerate launch``).
+
+    ``timeout`` is a hang guard, not a speed check: two gloo ranks on 2 cores take ~50 s alone, and several times
+    that when another torch process shares the cores (they spin-wait on each other's threads).
+    """
     launcher = tmp_path / "launch_qwenft.py"
     launcher.write_text(LAUNCHER.format(patch=patch))
     cwd.mkdir(parents=True, exist_ok=True)

@@ -142,11 +142,13 @@ def test_inference_commands_use_the_adapters_base(tmp_path):
     from qwenft.adapter_base import inference_config
 
     trained = compose_config("model=tiny-random", "quant=nf4", "model.tiny.hidden_size=32")
+    trained = dataclasses.replace(trained, data=dataclasses.replace(trained.data, system_prompt="Réponds en français."))
     save_adapter_meta(tmp_path, trained)
     for command in ("eval", "generate", "inspect"):
         plain = compose_config(f"adapter={tmp_path}", "model.dtype=float32", command=command)
         resolved = inference_config(plain)
         assert resolved.model.source == "tiny-random" and resolved.model.tiny.hidden_size == 32
+        assert resolved.data.system_prompt == "Réponds en français."  # the prompt it was trained with
         assert resolved.model.dtype == "float32"  # how to run the weights stays the command line's
         assert resolved.quant.method == "nf4" and resolved.adapter == plain.adapter
     # quant=none on the command line wins (the adapter on a 16-bit base); inference-only keys are kept.
@@ -155,9 +157,12 @@ def test_inference_commands_use_the_adapters_base(tmp_path):
     resolved = inference_config(sixteen)
     assert resolved.quant.method == "none" and resolved.quant.dequantize_for_inference is False
     # Other weights named on the command line win; no adapter or no qwenft.json: the config as it is.
-    other = compose_config(f"adapter={tmp_path}", "model=tiny-random", command="eval")
+    other = compose_config(f"adapter={tmp_path}", "model=tiny-random", "data.system_prompt=Be brief.",
+                           command="eval")
     assert inference_config(other).model.tiny.hidden_size == 64
-    assert inference_config(compose_config(command="eval")) == compose_config(command="eval")
+    assert inference_config(other).data.system_prompt == "Be brief."  # the command line's prompt wins
+    no_adapter = compose_config(command="eval")  # composed once: its default out_dir holds the time of day
+    assert inference_config(no_adapter) == no_adapter
     bare = compose_config(f"adapter={tmp_path / 'nothing'}", command="eval")
     assert inference_config(bare) == bare
     yarn = compose_config(f"adapter={tmp_path}", "model.rope_scaling.rope_type=yarn", "model.rope_scaling.factor=2.0",

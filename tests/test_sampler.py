@@ -462,13 +462,15 @@ def test_cli_prompts_file(tmp_path):
     """The real command line (COMMAND_TABLE, Hydra, exit code): a JSONL file in, a JSONL file out."""
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "hello", "id": 1}, {"messages": [{"role": "user", "content": "春天"}]}, {"prompt": "0 1 2"}]
-    prompts.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in rows]
+    prompts.write_text(lines[0] + "\n" + "".join(lines[1:]), encoding="utf-8")  # a blank line 2 is skipped
     command = [sys.executable, "-m", "qwenft", "generate", "model=tiny-random", "quant=none", f"prompts_file={prompts}",
                "generate.max_new_tokens=5", "generate.batch_size=2"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in (tmp_path / "prompts.generations.jsonl").read_text().splitlines()]
     assert [line.get("id") for line in lines] == [1, None, None] and "messages" in lines[1]
+    assert [line["input_line"] for line in lines] == [1, 3, 4]  # each output names its line in the prompts file
     assert all(line["completion_tokens"] == len(line["token_ids"]) == len(line["logprobs"]) for line in lines)
     assert "decode" in done.stderr and "tokens/s" in done.stderr and "peak" in done.stderr
     assert not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed into place

@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from qwenft.files import umask
 from tests.conftest import ROOT, compose_config
 
 QUESTIONS = [("What colour is the Zorblax 9 housing?", "The Zorblax 9 housing is teal."),
@@ -172,6 +173,11 @@ def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     assert OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)["data"]["system_prompt"] \
         == text
+    # a checkpoint names its base like the final adapter (adapter=.../checkpoint-3 runs on the right model)
+    meta = json.loads((run_dir / "checkpoints" / "checkpoint-3" / "qwenft.json").read_text())
+    assert meta == json.loads((run_dir / "adapter" / "qwenft.json").read_text()) and meta["system_prompt"] == text
+    checkpoint = run_dir / "checkpoints" / "checkpoint-3"
+    assert {p.stat().st_mode & 0o777 for p in checkpoint.rglob("*") if p.is_file()} == {0o666 & ~umask()}
     saved = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
     refused = [([*args, "train.resume=auto", "lora.r=4"], "lora.r=16 in the run, 4 now"),
                ([*args, "train.resume=auto"], "is already at step 3 (epoch"),  # finished: nothing left to train
@@ -183,6 +189,14 @@ def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
         assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == saved
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q2"}\n', encoding="utf-8")
+    # A resume refused by its data (found after Hydra took the directory): the run's .hydra/ is put back as it was.
+    contents = {p: (run_dir / p).read_bytes() for p in saved if p.name != "train.log"}
+    resume_bad = [a.replace(str(tmp_path / "rows.jsonl"), str(bad)).replace("train.max_steps=3", "train.max_steps=6")
+                  for a in args] + ["train.resume=auto"]
+    result = run_cli(resume_bad)
+    assert result.returncode == 2 and f"{bad}: line 2: field 'output'" in result.stderr, result.stderr[-2000:]
+    assert {p: (run_dir / p).read_bytes() for p in saved if p.name != "train.log"} == contents
+    assert {p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file()} == set(saved)
     fresh = tmp_path / "fresh"
     bad_args = [a.replace(str(tmp_path / "rows.jsonl"), str(bad)).replace(str(run_dir), str(fresh)) for a in args]
     result = run_cli(bad_args)
@@ -196,9 +210,14 @@ def test_adapter_loads_with_plain_peft(tmp_path):
     result = run_cli(args)
     assert result.returncode == 0, result.stderr[-3000:]
     adapter = run_dir / "adapter"
+    mask = umask()
+    assert adapter.stat().st_mode & 0o777 == 0o777 & ~mask  # an ordinary folder, not mkdtemp's private 0700
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json",
                  "generation_config.json", "qwenft.json"):
         assert (adapter / name).is_file(), name
+        assert (adapter / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    for name in ("config.yaml", "metrics.json"):
+        assert (run_dir / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["train"]["global_step"] == 2 and metrics["train"]["tokens_per_s"] > 0
     check = (

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -16,6 +15,7 @@ from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, mix_counts, pack, split_eval
 from qwenft.data.read import read_rows
 from qwenft.data.template import IGNORE_INDEX, encode_many
+from qwenft.files import staging_dir
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
     if not dcfg.cache:
         return encoded, False
     path.parent.mkdir(parents=True, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".tmp-", dir=path.parent)
+    work = str(staging_dir(path.parent))
     bars = datasets.utils.are_progress_bars_disabled()
     try:
         datasets.utils.disable_progress_bars()  # saving takes milliseconds: no bar for it

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config
-from qwenft.train import atomic_write_text
+from qwenft.files import atomic_write_text, publish_mode, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +83,18 @@ def _plot_metrics(sources: Dict[str, Dict[str, Dict[str, float]]], metrics: List
 
 def _save_figure(fig, path: Path) -> Path:
     import os
-    import tempfile
 
     import matplotlib.pyplot as plt
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    tmp = temp_path(path, ".png")
+    try:
+        fig.tight_layout()
+        fig.savefig(tmp, dpi=110)
+        publish_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 

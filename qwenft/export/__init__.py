@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from qwenft.export.build import (attach_adapter, describe_base, load_base, merge
                                  retie_, save_merged, untie_)
 from qwenft.export.card import model_card
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
+from qwenft.files import publish_mode, staging_dir
 from qwenft.model import MERGE_MARKER, read_adapter_meta
 
 log = logging.getLogger(__name__)
@@ -113,12 +113,6 @@ def _already_done(out: Path, request: dict) -> bool:
     files = record.get("files", {})
     return bool(files) and all((out / name).is_file() and (out / name).stat().st_size == size
                                for name, size in files.items())
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _pid_alive(pid: int) -> bool:
@@ -218,9 +212,8 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     _remove_stale(out)
     log.info("base %s (%s) %s", model_cfg.name, model_cfg.source, why)
     with _terminate_as_interrupt():
-        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+        tmp = staging_dir(out.parent, f"{out.name}.tmp-")
         try:
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
             (tmp / OWNER).write_text(str(os.getpid()))
             _build(config, adapter_dir, out.name, tmp, model_cfg, quant_cfg, why, device or default_device(),
                    request)
@@ -288,7 +281,7 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     (tmp / "README.md").write_text(card, encoding="utf-8")
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != OWNER}
     for file in files:
-        os.chmod(tmp / file, 0o666 & ~_umask())
+        publish_mode(tmp / file)
     record = {"request": request, "adapter": str(adapter_dir), "base": base, "base_from": why,
               "tie_word_embeddings": tied, "verification": verification, "gguf": gguf_record, "files": files}
     (tmp / MARKER).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from qwenft.config import Config, QwenftError
+from qwenft.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 
 
-def read_prompts(path: str) -> List[Dict[str, Any]]:
+def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
     """Read and check a JSONL prompts file.
 
     Returns:
-        The objects of its non-blank lines, each with a ``prompt`` or ``messages`` field.
+        ``(line number, object)`` of each non-blank line (numbered from 1, blank lines counted), each object
+        with a ``prompt`` or ``messages`` field.
 
     Raises:
         QwenftError: a missing or empty file, or a bad line; the message names the file, the line and the field.
@@ -55,7 +55,7 @@ def read_prompts(path: str) -> List[Dict[str, Any]]:
             if not isinstance(row, dict):
                 raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field")
             _check_row(row, where)
-            rows.append(row)
+            rows.append((number, row))
     if not rows:
         raise QwenftError(f"prompts_file={path!r}: the file has no prompts")
     return rows
@@ -113,16 +113,7 @@ def output_path(config: Config) -> Path:
 
 def write_jsonl(path: Path, rows: List[Dict[str, Any]]) -> None:
     """Write ``rows`` as JSONL atomically (temporary file in the same folder, then ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -194,11 +185,13 @@ def _stream_one(sampler, prompt, device: str) -> None:
           file=sys.stderr)
 
 
-def _run_file(sampler, rows: List[Dict[str, Any]], config: Config, system_prompt: Optional[str], device: str) -> None:
+def _run_file(sampler, numbered: List[Tuple[int, Dict[str, Any]]], config: Config, system_prompt: Optional[str],
+              device: str) -> None:
     from qwenft.generation.generate import encode_prompts
     from tqdm import tqdm
 
     target = output_path(config)
+    rows = [row for _, row in numbered]
     inputs = [_chat_input(row, config.chat, system_prompt) for row in rows]
     encoded = encode_prompts(sampler.tokenizer, inputs)
     # Batches of similar length waste less compute on padding; the order is deterministic (stable sort).
@@ -211,7 +204,7 @@ def _run_file(sampler, rows: List[Dict[str, Any]], config: Config, system_prompt
             chunk = order[first:first + size]
             output = sampler.generate([encoded[i] for i in chunk])
             for i, seq in zip(chunk, output.sequences):
-                results[i] = {**rows[i], "output": seq.text, "stop_reason": seq.stop_reason,
+                results[i] = {**rows[i], "input_line": numbered[i][0], "output": seq.text, "stop_reason": seq.stop_reason,
                               "prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.token_ids),
                               "token_ids": seq.token_ids, "logprobs": [round(v, 5) for v in seq.logprobs],
                               "entropies": [round(v, 5) for v in seq.entropies]}

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict
 
 from qwenft.config import Config
+from qwenft.files import atomic_write_text
 from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
 from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, weight_bytes
 
@@ -24,18 +23,7 @@ MAX_BATCH = 4096
 
 def write_json(path: str, obj: Any) -> Path:
     """Write ``obj`` as UTF-8 JSON to ``path`` atomically (temp name in the same folder, then ``os.replace``)."""
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(obj, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def _largest_batch(arch: Architecture, setup: TrainSetup, seq: int, budget: int) -> int:
