@@ -2,7 +2,8 @@
 
 For each weight format (bf16; NF4 with the configured ``quant.compute_dtype``, ``auto`` by default: bf16
 where bf16 matmuls are native, float32 elsewhere) of the embedded Qwen2.5 0.5B model and each batch size
-(1, 8), the two arms alternate in one process (ours, HF, ours, HF, ...) so that machine noise hits both.
+(1, 8), the two arms alternate in one process in ABBA order (ours, HF, HF, ours, ours, HF, ...) so that machine
+noise and drift hit both.
 Both generate exactly N new tokens (``min_new_tokens = max_new_tokens = N``, greedy, the model's own
 repetition_penalty) from the same chat prompts. Decode time is measured the same way for both arms, by a
 forward pre-hook on the model: from the start of the first decode forward (the second forward of the call)
@@ -211,26 +212,30 @@ def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: f
         speeds, host, step_speeds = {"ours": [], "hf": []}, {"ours": [], "hf": []}, {"ours": [], "hf": []}
         internal, tokens, paired, paired_forwards, forwards = [], {}, [], [], []
         same_inputs = None
+        arms = {"ours": lambda: ours(new_tokens), "hf": lambda: hf(new_tokens)}
         for repeat in range(repeats):
             clock.record_inputs = repeat == 0  # once: recording costs host time (in both arms alike)
-            out, speed, gap, step_speed = clock.measure(lambda: ours(new_tokens), batch)
-            ours_steps, ours_forwards, ours_inputs = clock.last_steps, clock.last_forwards, clock.last_inputs
-            step_speeds["ours"].append(step_speed)
-            speeds["ours"].append(speed)
-            host["ours"].append(gap)
-            internal.append(out.stats)
-            tokens["ours"] = [s.token_ids for s in out.sequences]
-            out, speed, gap, step_speed = clock.measure(lambda: hf(new_tokens), batch)
-            step_speeds["hf"].append(step_speed)
-            speeds["hf"].append(speed)
-            host["hf"].append(gap)
-            tokens["hf"] = [row[ids.shape[1]:].tolist() for row in out]
+            seen = {}
+            # ABBA order (ours first on even repeats, HF first on odd): a machine that speeds up or slows down
+            # during the run does not favour the arm that always runs second.
+            for arm in (("ours", "hf") if repeat % 2 == 0 else ("hf", "ours")):
+                out, speed, gap, step_speed = clock.measure(arms[arm], batch)
+                seen[arm] = (clock.last_steps, clock.last_forwards, clock.last_inputs)
+                step_speeds[arm].append(step_speed)
+                speeds[arm].append(speed)
+                host[arm].append(gap)
+                if arm == "ours":
+                    internal.append(out.stats)
+                    tokens["ours"] = [s.token_ids for s in out.sequences]
+                else:
+                    tokens["hf"] = [row[ids.shape[1]:].tolist() for row in out]
+            (ours_steps, ours_forwards, ours_inputs), (hf_steps, hf_forwards, hf_inputs) = seen["ours"], seen["hf"]
             if clock.record_inputs:  # every forward (prefill and decode) given the same inputs in both arms
-                same_inputs = ours_inputs == clock.last_inputs
-            if len(clock.last_steps) == len(ours_steps):  # step i of both arms: same token, same cache length
-                paired.append([h / o for o, h in zip(ours_steps, clock.last_steps)])
-                paired_forwards.append([h / o for o, h in zip(ours_forwards, clock.last_forwards)])
-                forwards.extend([*ours_forwards, *clock.last_forwards])
+                same_inputs = ours_inputs == hf_inputs
+            if len(hf_steps) == len(ours_steps):  # step i of both arms: same token, same cache length
+                paired.append([h / o for o, h in zip(ours_steps, hf_steps)])
+                paired_forwards.append([h / o for o, h in zip(ours_forwards, hf_forwards)])
+                forwards.extend([*ours_forwards, *hf_forwards])
         result = {"quant": "nf4" if quant == "nf4" else "bf16", "batch": batch, "new_tokens": new_tokens,
                   "compute_dtype": str(compute_dtype).replace("torch.", ""),
                   "repeats": repeats, "same_tokens": tokens["ours"] == tokens["hf"],
