@@ -75,15 +75,20 @@ def fail(message: str, code: int = 2) -> "None":
 def _parse_hydra_args(args: Sequence[str]):
     from hydra._internal.utils import get_args_parser
 
-    parsed, unknown = get_args_parser().parse_known_args(list(args))
+    # intermixed: Hydra's flags may come anywhere among the overrides (`train +recipe=x -m lora.r=8,16`)
+    parsed, unknown = get_args_parser().parse_known_intermixed_args(list(args))
     if unknown:
         fail(f"unrecognised option(s): {' '.join(unknown)}; overrides are key=value")
+    if parsed.multirun and (parsed.cfg or parsed.info):
+        fail("--cfg / --info print one config: drop -m (or give one value per key)")
     return parsed
 
 
 def _recipe_problem(overrides: Sequence[str]) -> Optional[str]:
     for item in overrides:
         key, _, value = item.partition("=")
+        if key == "recipe":
+            return f"{item}: a recipe is added with a leading +: +recipe={value}"
         if key.lstrip("+~") == "recipe" and value and value not in available_recipes():
             return f"unknown recipe '{value}' (+recipe={value}); available recipes: {', '.join(available_recipes())}"
     return None
@@ -281,7 +286,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
     snapshots = {path: hydra_snapshot(Path(path)) for path in existing}
     extra = [f"command={command}", f"hydra.job.name={command}"]
     if command not in RUN_DIR_COMMANDS:
-        extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+        extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stderr"]
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def task(cfg: DictConfig):
@@ -334,8 +339,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             fail(str(exc))
         if command in RUN_DIR_COMMANDS:
             for config in configs:
-                if Path(config.out_dir).expanduser().exists() and not Path(config.out_dir).expanduser().is_dir():
+                out = Path(config.out_dir).expanduser()
+                if out.exists() and not out.is_dir():
                     fail(f"out_dir={config.out_dir}: is a file, not a directory; choose another out_dir")
+                blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+                if blocking is not None:
+                    fail(f"out_dir={config.out_dir}: {blocking} is a file, not a directory; choose another out_dir")
         if command == "train":  # resume / finished-run checks, before Hydra writes .hydra/
             from dataclasses import replace
 

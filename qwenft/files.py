@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Union
 
+from qwenft.config import QwenftError
+
 PathLike = Union[str, Path]
 
 
@@ -44,8 +46,16 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` (parents created) through a temporary file and a rename; returns the path.
 
     On any error the temporary file is removed and an existing ``path`` is left as it was.
+
+    Raises:
+        QwenftError: ``path`` is a directory, or one of its parents is a file.
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise QwenftError(f"{path}: is a directory; name a file")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise QwenftError(f"{path}: {parent} is a file, not a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -277,8 +277,11 @@ def inspect_command(config: Config) -> Dict[str, Any]:
         model = load_adapter(model, config.adapter)
     model.eval()
     if config.chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}],
-                                            add_generation_prompt=True, return_dict=False)
+        from qwenft.data.template import with_system
+
+        # the system prompt trained with (the adapter's qwenft.json) or data.system_prompt, as generate and eval
+        messages = with_system([{"role": "user", "content": config.prompt}], config.data.system_prompt)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     else:
         ids = tokenizer(config.prompt, add_special_tokens=False)["input_ids"]
     device = next(p for p in model.parameters()).device

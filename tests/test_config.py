@@ -51,6 +51,9 @@ def test_group_options_and_overrides():
     ("+data.sources.0.wieght=1", "(did you mean data.sources[0].weight?)"),
     ("out_dir=a,b", "\"out_dir='a,b'\""),  # a comma outside -m: how to quote it
     ("inspect.layers=[]", "inspect.layers"),
+    ("lr=1e-4", "(did you mean train.lr?)"),  # a bare key: the section holding it
+    ("temperature=0.7", "(did you mean generate.temperature?)"),
+    ("recipe=quickstart", "+recipe=quickstart"),
 ])
 def test_bad_overrides_name_the_key(override, key):
     register_resolvers()

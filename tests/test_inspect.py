@@ -161,6 +161,18 @@ def test_adapter_comparison(tmp_path):
     assert not list(tmp_path.glob(".trace.json.*"))  # the atomic write left no temp file
 
 
+def test_chat_prompt_carries_the_system_prompt(tmp_path):
+    """The traced prompt is the one generate and eval build: data.system_prompt (or the adapter's) as the system
+    turn, the template's default without one."""
+    config = tiny_config(tmp_path)
+    texts = {}
+    for system in (None, "Answer as Zed."):
+        data = dataclasses.replace(config.data, system_prompt=system)
+        result = inspect_command(dataclasses.replace(config, prompt=PROMPT, chat=True, data=data))
+        texts[system] = "".join(row["text"] for row in result["tokens"])
+    assert "Answer as Zed." in texts["Answer as Zed."] and "Answer as Zed." not in texts[None]
+
+
 def test_user_errors_stop_before_loading(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model must not be loaded")

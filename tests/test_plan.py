@@ -238,6 +238,13 @@ def test_plan_cli_writes_json(tmp_path):
     assert plan["kv_cache"]["bytes_per_token"] == 57_344
 
 
+def test_plan_out_that_is_a_directory_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "qwenft", "plan", f"plan.out={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{tmp_path}: is a directory" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_auto_dtypes_and_supervised_fraction():
     from qwenft.model import native_bf16
 

@@ -502,6 +502,11 @@ def test_generate_refuses_a_bad_out_before_loading(tmp_path):
         with pytest.raises(QwenftError, match=message):
             generate_command(compose_config(*base, f"out={out}", command="generate"))
     assert prompts.read_text(encoding="utf-8") == '{"prompt": "hello"}\n'  # the input is untouched
+    with pytest.raises(QwenftError, match="out= names the results file of prompts_file"):  # not silently unused
+        generate_command(compose_config("model=tiny-random", "quant=none", "prompt=hi", f"out={tmp_path / 'a.jsonl'}",
+                                        command="generate"))
+    prompts.write_text('\ufeff{"prompt": "hello"}\n', encoding="utf-8")  # a byte-order mark is not content
+    assert read_prompts(str(prompts)) == [(1, {"prompt": "hello"})]
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):

@@ -147,7 +147,7 @@ def test_sweep_specs_parse_and_compose(path):
 def test_multirun_grid_writes_two_run_directories(tmp_path):
     sweep_dir = tmp_path / "grid"  # out_dir names the grid's folder, one run directory per point under it
     args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in train_overrides(tmp_path, sweep_dir)]
-    result = run_cli(["-m", "lora.r=4,8", *args])
+    result = run_cli([*args[:2], "-m", "lora.r=4,8", *args[2:]])  # -m among the overrides, as the README writes it
     assert result.returncode == 0, result.stderr[-3000:]
     for num, rank in ((0, 4), (1, 8)):
         adapter = sweep_dir / str(num) / "adapter"

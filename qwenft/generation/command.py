@@ -43,7 +43,7 @@ def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
     if not file.is_file():
         raise QwenftError(f"prompts_file={path!r}: no such file")
     rows = []
-    with open(file, encoding="utf-8") as handle:
+    with open(file, encoding="utf-8-sig") as handle:  # a byte-order mark (some Windows editors) is not content
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -51,7 +51,7 @@ def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise QwenftError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                raise QwenftError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field")
             _check_row(row, where)
@@ -142,6 +142,9 @@ def generate_command(config: Config) -> None:
     """
     if (config.prompt is None) == (config.prompts_file is None):
         raise QwenftError('generate needs exactly one of prompt="..." or prompts_file=PATH')
+    if config.prompt is not None and config.out:
+        raise QwenftError(f"out={config.out}: out= names the results file of prompts_file=...; with prompt= the "
+                          "answer streams to the terminal (redirect it: > answer.txt)")
     from qwenft.generation.generate import check_supported
 
     check_supported(config.generate)  # before any model is loaded
