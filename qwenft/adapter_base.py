@@ -84,6 +84,11 @@ def inference_config(config: Config) -> Config:
     meta = read_adapter_meta(adapter_dir)
     if meta is None:
         return config
+    trained_on = sorted(str(d.get("path")) for d in meta.get("data_sources") or [] if isinstance(d, dict))
+    now = sorted(str(s.path) for s in config.data.sources)
+    if trained_on and now != trained_on and config.command == "eval":
+        log.warning("the adapter was trained on %s; this evaluation reads %s (set data.sources or the run's "
+                    "+recipe to evaluate on the run's own held-out rows)", ", ".join(trained_on), ", ".join(now))
     trained_system = meta.get("system_prompt")
     if config.data.system_prompt is None and isinstance(trained_system, str):
         log.info("system prompt from the adapter's %s: %r", ADAPTER_META, trained_system)

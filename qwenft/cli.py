@@ -155,7 +155,7 @@ def quote_text(value: str) -> str:
     return f"'{out}'"
 
 
-_LIST_KEYS = ("inspect.layers",)  # comma lists: a list, not a sweep
+_LIST_KEYS = ("inspect.layers", "lora.target_modules")  # comma lists (or one item): a list, not a sweep
 
 
 def free_form(overrides: Sequence[str]) -> List[str]:
@@ -168,7 +168,8 @@ def free_form(overrides: Sequence[str]) -> List[str]:
     - ``prompt=春天`` and ``data.system_prompt=...``: free text is quoted for Hydra (unquoted non-ASCII or ``,``
       would be refused) and taken literally (``${...}`` stays text, see :func:`quote_text`); ``null`` stays null.
       A sweep over them needs the user's own Hydra quoting.
-    - ``inspect.layers=0,12,23`` is a list, not a multirun sweep; ``inspect.layers=5`` is the list ``[5]``.
+    - ``inspect.layers=0,12,23`` is a list, not a multirun sweep; ``inspect.layers=5`` is the list ``[5]``; the
+      same for ``lora.target_modules=q_proj,v_proj``.
     """
     out = []
     for item in overrides:
@@ -273,6 +274,18 @@ def restore_hydra_snapshot(run_dir: Path, snapshot: Dict[str, bytes]) -> None:
         atomic_write_bytes(folder / name, data)
 
 
+def _log_to_files(message: str) -> None:
+    """Write ``message`` to the run's log file(s) only (the terminal gets it once, from :func:`fail`), so a
+    run's log ends with why it stopped."""
+    record = logging.LogRecord("qwenft", logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            try:
+                handler.handle(record)
+            except OSError:  # the log's folder is gone: nothing to complete
+                pass
+
+
 def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], existing: Sequence[str] = ()) -> None:
     """Hand the command to ``@hydra.main`` (run dir, config snapshot, logging, multirun).
 
@@ -298,6 +311,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
                 run_dir = Path(config.out_dir).expanduser().resolve()
             return _resolve(command)(config)
         except QwenftError as exc:
+            _log_to_files(f"error: {exc}")
             if run_dir is not None and os.environ.get("RANK", "0") == "0":
                 if str(run_dir) in snapshots:
                     restore_hydra_snapshot(run_dir, snapshots[str(run_dir)])
@@ -306,7 +320,12 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
                     discard_untouched_run_dir(run_dir, command)
             fail(str(exc))
         except KeyboardInterrupt:
-            fail("interrupted", code=130)
+            message = "interrupted"
+            if command == "train" and run_dir is not None:
+                message += (f"; complete checkpoints in {run_dir / 'checkpoints'} are kept: rerun the same command with "
+                            "train.resume=auto to continue from the last one")
+            _log_to_files(message)
+            fail(message, code=130)
 
     saved = sys.argv
     sys.argv = [f"qwenft {command}", *overrides, *extra, *flags]

@@ -124,6 +124,8 @@ def test_free_text_and_list_overrides_are_rewritten_for_hydra():
     config = compose_config(*free_form(["prompt=春天, 夏天", "inspect.layers=0,1"]), command="inspect")
     assert config.prompt == "春天, 夏天" and config.inspect.layers == [0, 1]
     assert compose_config(*free_form(["inspect.layers=5"]), command="inspect").inspect.layers == [5]
+    assert compose_config(*free_form(["lora.target_modules=q_proj,v_proj"])).lora.target_modules == ["q_proj", "v_proj"]
+    assert compose_config(*free_form(["lora.target_modules=q_proj"])).lora.target_modules == ["q_proj"]
 
 
 @pytest.mark.parametrize("text", ["a\\b", "it's", "end\\", "x\\'y", "\\\\'", "a ${x} b", "${oc.env:HOME}",

@@ -451,6 +451,7 @@ def test_prompts_file_errors_name_file_line_and_field(tmp_path):
              ('{"messages": [{"role": "bot", "content": "x"}]}\n', ":1: field 'messages[0].role'"),
              ('{"messages": [{"role": "user"}]}\n', ":1: field 'messages[0].content'"),
              ('{"text": "x"}\n', ":1: missing field 'prompt'"),
+             ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', ":1: fields 'prompt' and 'messages'"),
              ("\n", "has no prompts")]
     for content, message in cases:
         path.write_text(content, encoding="utf-8")

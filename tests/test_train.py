@@ -196,6 +196,7 @@ def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
     result = run_cli(resume_bad)
     assert result.returncode == 2 and f"{bad}: line 2: field 'output'" in result.stderr, result.stderr[-2000:]
     assert {p: (run_dir / p).read_bytes() for p in saved if p.name != "train.log"} == contents
+    assert f"error: {bad}: line 2" in (run_dir / "train.log").read_text().splitlines()[-1]  # the log says why
     assert {p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file()} == set(saved)
     fresh = tmp_path / "fresh"
     bad_args = [a.replace(str(tmp_path / "rows.jsonl"), str(bad)).replace(str(run_dir), str(fresh)) for a in args]

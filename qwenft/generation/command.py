@@ -62,6 +62,8 @@ def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
 
 
 def _check_row(row: Dict[str, Any], where: str) -> None:
+    if "messages" in row and "prompt" in row:
+        raise QwenftError(f"{where}: fields 'prompt' and 'messages' both present; keep one")
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
