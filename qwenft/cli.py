@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from qwenft.config import COMMANDS, ConfigError, QwenftError, omegaconf_message, register_resolvers, to_config
+from qwenft.files import atomic_write_bytes, file_in_the_way
 
 log = logging.getLogger("qwenft")
 
@@ -261,8 +262,6 @@ def hydra_snapshot(run_dir: Path) -> Dict[str, bytes]:
 def restore_hydra_snapshot(run_dir: Path, snapshot: Dict[str, bytes]) -> None:
     """Put back ``run_dir/.hydra`` as :func:`hydra_snapshot` found it (each file written atomically), so that a
     refused command in an existing run directory leaves that run's record of how it was run unchanged."""
-    from qwenft.files import atomic_write_bytes
-
     folder = run_dir / ".hydra"
     if not snapshot:  # the directory had no .hydra/ before this command
         shutil.rmtree(folder, ignore_errors=True)
@@ -358,10 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             fail(str(exc))
         if command in RUN_DIR_COMMANDS:
             for config in configs:
-                out = Path(config.out_dir).expanduser()
-                if out.exists() and not out.is_dir():
-                    fail(f"out_dir={config.out_dir}: is a file, not a directory; choose another out_dir")
-                blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+                blocking = file_in_the_way(config.out_dir)
                 if blocking is not None:
                     fail(f"out_dir={config.out_dir}: {blocking} is a file, not a directory; choose another out_dir")
         if command == "train":  # resume / finished-run checks, before Hydra writes .hydra/

@@ -623,16 +623,13 @@ def unknown_key_message(path: str) -> str:
         return f"unknown key '{path}'"
     names = [f.name for f in dataclasses.fields(cls)]
     last = parts[-1]
-    if cls is Config and last not in names:  # a bare key: the section that has it (lr -> train.lr)
+    if cls is Config:  # a bare key: the section that has it (lr -> train.lr)
         wanted = KEY_ALIASES.get(last, last)
-        homes = [f"{f.name}.{wanted}" for f in dataclasses.fields(Config)
-                 if dataclasses.is_dataclass(_field_type(Config, f.name))
-                 and wanted in {g.name for g in dataclasses.fields(_field_type(Config, f.name))}]
-        if last == "recipe":
-            homes = ["+recipe (a recipe is added with a leading +: +recipe=NAME)"]
+        sections = {n: _field_type(Config, n) for n in names if dataclasses.is_dataclass(_field_type(Config, n))}
+        homes = [f"{n}.{wanted}" for n, t in sections.items() if wanted in {f.name for f in dataclasses.fields(t)}]
         if homes:
-            return f"unknown key '{path}' (did you mean {' or '.join(homes)}?); keys live in sections: " \
-                   f"{', '.join(n for n in names if dataclasses.is_dataclass(_field_type(Config, n)))}"
+            return (f"unknown key '{path}' (did you mean {' or '.join(homes)}?); keys live in sections: "
+                    f"{', '.join(sections)}")
     prefix = path[: len(path) - len(last)].rstrip(".")
     guess = KEY_ALIASES.get(last) if KEY_ALIASES.get(last) in names else None
     guess = guess or next(iter(difflib.get_close_matches(last, names, n=1, cutoff=0.6)), None)

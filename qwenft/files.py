@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from qwenft.config import QwenftError
 
@@ -42,6 +42,13 @@ def publish_tree(root: PathLike) -> None:
             publish_mode(path)
 
 
+def file_in_the_way(path: PathLike) -> Optional[Path]:
+    """``path`` itself or the nearest of its parents that exists as a file (so ``path`` cannot be a folder or lie
+    under one); None when there is none."""
+    path = Path(path).expanduser()
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
 def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` (parents created) through a temporary file and a rename; returns the path.
 
@@ -53,9 +60,9 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise QwenftError(f"{path}: is a directory; name a file")
-    for parent in path.parents:
-        if parent.exists() and not parent.is_dir():
-            raise QwenftError(f"{path}: {parent} is a file, not a directory")
+    blocking = file_in_the_way(path.parent)
+    if blocking is not None:
+        raise QwenftError(f"{path}: {blocking} is a file, not a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
