@@ -2,8 +2,9 @@
 
 Each case runs in a fresh child process: record the resident memory (RSS) after the imports, load the model with
 ``qwenft.model.load_model`` (tokenizer dropped afterwards: the plan counts model memory only), attach LoRA with
-``qwenft.model.attach_lora``, then run one training step the way transformers' Trainer does (forward with the
-labels, backward, gradient clipping, AdamW step, ``zero_grad(set_to_none=True)``). The child reports the RSS
+``qwenft.model.attach_lora``, then run one training step the way qwenft's Trainer does (its loss,
+``qwenft.loss.supervised_loss_sum``, under the run's autocast with an untied lm_head in the autocast dtype; backward,
+gradient clipping, AdamW step, ``zero_grad(set_to_none=True)``). The child reports the RSS
 increase after loading (the static part) and the peak RSS increase during the step (``VmHWM``, reset just before
 the step through ``/proc/self/clear_refs``). The parent compares both with the plan's first-step prediction
 (:func:`qwenft.plan.training_memory` with ``steady=False``: the AdamW states do not exist before the first step).
@@ -122,7 +123,7 @@ def _load(config, cuda: bool, load_peak=lambda: 0):
 
 
 def _step(model, cuda: bool, config, batch: int, seq: int) -> float:
-    """One training step as transformers' Trainer runs it; returns the loss."""
+    """One training step as qwenft's Trainer runs it; returns the loss."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -139,8 +140,15 @@ def _step(model, cuda: bool, config, batch: int, seq: int) -> float:
     mask = torch.ones_like(ids)
     if batch > 1:
         mask[-1, -3:] = 0  # a padded row, as the collator makes: the plan assumes a mask reaches attention
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=amp):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss  # the logits are dropped, as in Trainer
+    from qwenft.loss import supervised_loss_sum
+    from qwenft.train import head_to_autocast_dtype
+
+    if amp:
+        head_to_autocast_dtype(model, torch.bfloat16)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=amp):  # as QwenftTrainer.compute_loss
+        total, count = supervised_loss_sum(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, "none")
+        loss = total / count
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()

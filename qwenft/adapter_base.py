@@ -9,13 +9,41 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 from qwenft.config import (Config, ConfigError, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
                            TinyModelConfig)
 from qwenft.model import ADAPTER_META, read_adapter_meta
 
 log = logging.getLogger(__name__)
+
+
+MODEL_IDENTITY_KEYS = ("source", "path", "revision", "tiny")  # what names the weights under model.*
+QUANT_TRAINED_KEYS = ("method", "double_quant", "compute_dtype")  # how the adapter's base was quantized
+
+
+def typed_overrides() -> Optional[List[str]]:
+    """The overrides of the running Hydra job (what the user typed, plus the CLI's own ``command=...``), or None
+    outside a Hydra job (a direct library call): a recipe's or preset's values are never among them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return [str(item) for item in HydraConfig.get().overrides.task]
+
+
+def typed_keys(typed: Sequence[str]) -> Set[str]:
+    """The keys of override strings: ``model=tiny-random`` -> ``model``, ``++quant.method=none`` -> ``quant.method``."""
+    return {item.partition("=")[0].lstrip("+~") for item in typed}
+
+
+def _typed(keys: Set[str], section: str, names: Sequence[str]) -> List[str]:
+    """Which of ``section``'s ``names`` were typed: all of them for a group choice (``quant=none``), else the ones
+    typed as ``section.name`` or below (``model.tiny.hidden_size`` counts for ``tiny``)."""
+    if section in keys:
+        return list(names)
+    return [name for name in names if any(k == f"{section}.{name}" or k.startswith(f"{section}.{name}.")
+                                          for k in keys)]
 
 
 def _identity(mcfg: ModelConfig) -> tuple:
@@ -37,15 +65,28 @@ def _from_meta(section: str, cls: Any, values: dict, source: Path) -> Any:
         raise QwenftError(f"{source}: '{section}' is not a valid {section} config ({exc})") from None
 
 
-def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path) -> Tuple[ModelConfig, QuantConfig, str]:
+def _model_typed(model: ModelConfig, typed: Optional[Sequence[str]]) -> bool:
+    """Whether the user named other weights: typed ``model=...`` or ``model.source/path/revision/tiny...``; for a
+    direct library call (``typed`` None), whether ``model`` names other weights than the default preset."""
+    if typed is None:
+        return _identity(model) != _identity(ModelConfig())
+    return bool(_typed(typed_keys(typed), "model", MODEL_IDENTITY_KEYS))
+
+
+def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path,
+                 typed: Optional[Sequence[str]] = None) -> Tuple[ModelConfig, QuantConfig, str]:
     """The base model an adapter is merged into, and how it was trained (NF4 or 16-bit).
 
     Rule: the adapter's ``qwenft.json`` (written by ``qwenft train``) names the base and its quantization.
-    A ``model=...`` on the command line wins when it names *other weights* than the default preset, i.e.
-    when its source, path, revision (or tiny-random shape) differ from :class:`ModelConfig`'s defaults;
-    settings that do not change the weights (``model.dtype``, ``model.attn_implementation``) never count.
-    Without ``qwenft.json`` the command line's ``model`` and ``quant`` are used as given (the same defaults
-    ``train`` uses), so pass the ones the adapter was trained with.
+    Only a ``model=...`` the user typed wins: ``model=PRESET`` or a ``model.source`` / ``path`` / ``revision`` /
+    ``tiny.*`` override; a recipe's or preset's default never does, nor a setting that does not change the
+    weights (``model.dtype``, ``model.attn_implementation``). Without ``qwenft.json`` the given ``model`` and
+    ``quant`` are used as they are (the same defaults ``train`` uses), so pass the ones the adapter was trained with.
+
+    Args:
+        typed: the override strings the user typed; None: those of the running Hydra job
+            (:func:`typed_overrides`); outside one (a library call) a ``model`` other than the default preset
+            counts as typed.
 
     Returns:
         ``(model, quant, why)``: ``why`` is a short phrase for the log and the model card.
@@ -53,33 +94,41 @@ def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path) -> T
     Raises:
         QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
     """
+    typed = typed_overrides() if typed is None else typed
     meta = read_adapter_meta(adapter_dir)
     if meta is None:
         return model, quant, f"from the command line (no {ADAPTER_META} beside the adapter)"
     source = adapter_dir / ADAPTER_META
     saved_quant = _from_meta("quant", QuantConfig, meta.get("quant") or {"method": "none"}, source)
-    if _identity(model) != _identity(ModelConfig()):
-        return model, saved_quant, f"model={model.name} from the command line (overrides {ADAPTER_META})"
+    if _model_typed(model, typed):
+        return model, saved_quant, f"model={model.name} typed on the command line (overrides {ADAPTER_META})"
     return _from_meta("model", ModelConfig, meta["model"], source), saved_quant, f"from the adapter's {ADAPTER_META}"
 
 
-def inference_config(config: Config) -> Config:
+def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> Config:
     """``config`` with the model (and quantization) the adapter was trained on, for eval / generate / inspect.
 
-    The model follows :func:`resolve_base`'s rule (``qwenft.json`` unless ``model=...`` names other weights
-    than the default preset), but the command line's ``model.dtype`` and ``model.attn_implementation`` are kept
-    (they choose how to run the weights, not which), and so is a ``model.rope_scaling`` set there (else the
-    trained one). The quantization (method, double quant, compute dtype) is
-    the trained one unless the command line changed one of them from the defaults (e.g. ``quant=none`` to run
-    the adapter on a 16-bit base); the inference-only ``quant`` keys always come from the command line.
-    The system prompt the adapter was trained with (``data.system_prompt``) is used unless the command line
-    sets one. Without ``adapter``, or without ``qwenft.json``, ``config`` is returned as it is.
+    Only what the user typed overrides what the adapter records; a recipe's or preset's default never does.
+    The model follows :func:`resolve_base`'s rule (``qwenft.json`` unless a typed ``model=...`` names other
+    weights), but ``model.dtype`` and ``model.attn_implementation`` are kept (they choose how to run the
+    weights, not which), and so is a typed ``model.rope_scaling`` (else the trained one). The quantization
+    (method, double quant, compute dtype) is the trained one except the keys typed (``quant=none`` runs the
+    adapter on a 16-bit base); the inference-only ``quant`` keys always come from ``config``. The system prompt
+    the adapter was trained with is used unless ``data.system_prompt`` was typed. Without ``adapter``, or
+    without ``qwenft.json``, ``config`` is returned as it is.
+
+    Args:
+        typed: the override strings the user typed; None: those of the running Hydra job
+            (:func:`typed_overrides`); outside one (a library call), values that differ from the defaults count
+            as typed.
 
     Raises:
         QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
     """
     if not config.adapter:
         return config
+    typed = typed_overrides() if typed is None else typed
+    keys = typed_keys(typed) if typed is not None else None
     adapter_dir = Path(config.adapter).expanduser()
     meta = read_adapter_meta(adapter_dir)
     if meta is None:
@@ -90,18 +139,24 @@ def inference_config(config: Config) -> Config:
         log.warning("the adapter was trained on %s; this evaluation reads %s (set data.sources or the run's "
                     "+recipe to evaluate on the run's own held-out rows)", ", ".join(trained_on), ", ".join(now))
     trained_system = meta.get("system_prompt")
-    if config.data.system_prompt is None and isinstance(trained_system, str):
+    system_typed = config.data.system_prompt is not None if keys is None else "data.system_prompt" in keys
+    if not system_typed and isinstance(trained_system, str):
         log.info("system prompt from the adapter's %s: %r", ADAPTER_META, trained_system)
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, system_prompt=trained_system))
-    model, saved_quant, why = resolve_base(config.model, config.quant, adapter_dir)
+    model, saved_quant, why = resolve_base(config.model, config.quant, adapter_dir, typed=typed)
     model = dataclasses.replace(model, dtype=config.model.dtype, attn_implementation=config.model.attn_implementation)
-    if config.model.rope_scaling != ModelConfig().rope_scaling:  # asked for on the command line: it wins
+    rope_typed = (config.model.rope_scaling != ModelConfig().rope_scaling if keys is None
+                  else bool(_typed(keys, "model", ("rope_scaling",))))
+    if rope_typed:
         model = dataclasses.replace(model, rope_scaling=config.model.rope_scaling)
     quant = config.quant
-    trained_keys = ("method", "double_quant", "compute_dtype")
     defaults = QuantConfig()
-    if all(getattr(quant, k) == getattr(defaults, k) for k in trained_keys):
-        quant = dataclasses.replace(quant, **{k: getattr(saved_quant, k) for k in trained_keys})
+    if keys is None:  # a library call: any trained key changed from the defaults keeps all of them
+        kept = list(QUANT_TRAINED_KEYS) if any(getattr(quant, k) != getattr(defaults, k)
+                                               for k in QUANT_TRAINED_KEYS) else []
+    else:
+        kept = _typed(keys, "quant", QUANT_TRAINED_KEYS)
+    quant = dataclasses.replace(quant, **{k: getattr(saved_quant, k) for k in QUANT_TRAINED_KEYS if k not in kept})
     if model != config.model or quant != config.quant:
         log.info("base model %s (%s), quant=%s", model.name, why, quant.method)
     return dataclasses.replace(config, model=model, quant=quant)

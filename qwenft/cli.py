@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from qwenft.config import COMMANDS, ConfigError, QwenftError, omegaconf_message, register_resolvers, to_config
 from qwenft.files import atomic_write_bytes, file_in_the_way
+from qwenft.runlock import LOCK_FILES, RunLock, lock_run_dirs, new_run_stamp
 
 log = logging.getLogger("qwenft")
 
@@ -138,7 +139,7 @@ def _compose_message(exc: BaseException) -> str:
     return first.replace("Error merging override ", "")
 
 
-_FREE_FORM = re.compile(r"^(data\.sources\.\d+\.columns|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
+_FREE_FORM = re.compile(r"^(data\.sources\.\d+\.(columns|replace)|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
 
 
 _TEXT_KEYS = ("prompt", "data.system_prompt")  # free text: taken literally, whatever characters it has
@@ -162,7 +163,8 @@ _LIST_KEYS = ("inspect.layers", "lora.target_modules")  # comma lists (or one it
 def free_form(overrides: Sequence[str]) -> List[str]:
     """Rewrite the few overrides whose natural spelling Hydra's grammar refuses.
 
-    - ``data.sources.N.columns`` is a free-form mapping (format field -> file field): Hydra refuses new keys in
+    - ``data.sources.N.columns`` is a free-form mapping (format field -> file field; ``data.sources.N.replace``:
+      placeholder -> text, checked by :class:`qwenft.config.DataSource`): Hydra refuses new keys in
       a struct config unless the override starts with ``++``; the keys are checked against the format later
       (:class:`qwenft.config.DataSource`). So are ``dist.fsdp`` and ``dist.deepspeed`` (passed through to
       transformers' ``fsdp_config`` / ``deepspeed``).
@@ -246,7 +248,7 @@ def discard_untouched_run_dir(run_dir: Path, command: str) -> bool:
     Returns:
         Whether the directory was removed.
     """
-    hydra_only = {".hydra", f"{command}.log"}
+    hydra_only = {".hydra", f"{command}.log", *LOCK_FILES}  # and the lock this command holds
     if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= hydra_only:
         return False
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -345,8 +347,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)}")
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     register_resolvers()
+    new_run_stamp()  # this command's default run directory name (validate() and Hydra both compose it)
     parsed = _parse_hydra_args(rest)
-    launch: List[str] = []
+    locks: List[RunLock] = []
+    try:
+        _checked_run(command, rest, parsed, locks)
+    except QwenftError as exc:  # a run directory in use (the other user errors are handled where they arise)
+        fail(str(exc))
+    finally:  # held until the command ends, however it ends
+        for lock in locks:
+            lock.release()
+
+
+def _checked_run(command: str, rest: Sequence[str], parsed, locks: List[RunLock]) -> None:  # checks, lock, Hydra
+    launch, existing = [], []  # Hydra overrides under a launcher; run directories that existed before
     if not (parsed.help or parsed.cfg or parsed.info):
         from qwenft.dist import launch_overrides, preflight
 
@@ -360,6 +374,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 blocking = file_in_the_way(config.out_dir)
                 if blocking is not None:
                     fail(f"out_dir={config.out_dir}: {blocking} is a file, not a directory; choose another out_dir")
+        existing = [] if parsed.multirun or command not in RUN_DIR_COMMANDS \
+            else [str(Path(c.out_dir).expanduser().resolve()) for c in configs if Path(c.out_dir).expanduser().exists()]
+        # before anything is written, and before the resume checks: a run in use is refused as such
+        locks.extend(lock_run_dirs(command, configs, RUN_DIR_COMMANDS))
         if command == "train":  # resume / finished-run checks, before Hydra writes .hydra/
             from dataclasses import replace
 
@@ -378,6 +396,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             except QwenftError as exc:
                 fail(str(exc))
     flags = [a for a in rest if a not in parsed.overrides]
-    existing = [] if parsed.multirun or command not in RUN_DIR_COMMANDS or parsed.cfg or parsed.help or parsed.info \
-        else [str(Path(c.out_dir).expanduser().resolve()) for c in configs if Path(c.out_dir).expanduser().exists()]
     _run_hydra(command, [*free_form(parsed.overrides), *launch], flags, existing)

@@ -214,6 +214,7 @@ class DataSource:
 
     ``eval_by``: a field of the file's rows (e.g. ``fact``); when set, the ``eval_rows`` held out are
     spread over its distinct values (one row per value before a second one), instead of drawn at random.
+    ``replace``: placeholder name -> text; every ``{{name}}`` in the rows' texts is replaced before use.
     """
 
     name: str = "source"
@@ -226,9 +227,14 @@ class DataSource:
     subset: Optional[str] = None
     split: str = "train"
     eval_by: Optional[str] = None
+    replace: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_choice(f"data.sources[{self.name}].format", self.format, tuple(FORMAT_FIELDS))
+        for key, value in self.replace.items():
+            _check(re.fullmatch(r"[^\W\d]\w*", str(key)) is not None and isinstance(value, str),
+                   f"data.sources[{self.name}].replace.{key}", value,
+                   "needs a placeholder name (letters, digits, _) and a text: replace={name: Ada} fills {{name}}")
         for key in self.columns:
             _check_choice(f"data.sources[{self.name}].columns.{key}", key, FORMAT_FIELDS[self.format])
         _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
@@ -280,6 +286,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     optim: str = "auto"
     precision: str = "auto"
+    # Layer and loss kernels (qwenft.kernels): auto = Liger's on CUDA when liger-kernel is installed, else none
+    # (transformers' layers and qwenft's chunked loss); liger = Liger's (CUDA and `pip install 'qwenft[gpu]'`).
+    kernels: str = "auto"
     gradient_checkpointing: bool = True
     seed: int = 42
     save_steps: int = 50
@@ -305,6 +314,7 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         _check_choice("train.optim", self.optim, ("auto", "adamw_torch", "paged_adamw_8bit", "adamw_8bit", "sgd"))
         _check_choice("train.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
+        _check_choice("train.kernels", self.kernels, ("auto", "none", "liger"))
         for name in ("save_steps", "eval_steps", "logging_steps", "save_total_limit"):
             value = getattr(self, name)
             _check(value >= 1, f"train.{name}", value, "must be >= 1")
@@ -561,15 +571,19 @@ def project_root() -> str:
 
 
 def register_resolvers() -> None:
-    """Register the ``qwenft_schema`` node in Hydra's ConfigStore and the ``${qwenft_root:}`` resolver.
+    """Register the ``qwenft_schema`` node in Hydra's ConfigStore and the ``${qwenft_root:}`` and
+    ``${qwenft_run_id:}`` (the default run directory's name, :func:`qwenft.runlock.run_stamp`) resolvers.
 
     Idempotent; called by the CLI and by tests that compose the config themselves.
     """
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from qwenft.runlock import run_stamp  # here, not at the top: runlock imports this module
+
     ConfigStore.instance().store(name="qwenft_schema", node=Config)
     OmegaConf.register_new_resolver("qwenft_root", project_root, replace=True)
+    OmegaConf.register_new_resolver("qwenft_run_id", run_stamp, replace=True)
 
 
 def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:

@@ -5,9 +5,10 @@ qwenft writes no distribution code of its own: ``torchrun`` / ``accelerate launc
 accelerate, runs DDP, FSDP or DeepSpeed from the TrainingArguments this module fills in
 (:func:`training_kwargs`). What is left here is what the Trainer does not know about:
 
-- every rank must write into the same run directory, but the default one is named after the time
-  (``${now:...}``), which differs between ranks by a second now and then: rank 0's is broadcast before Hydra
-  creates anything (:func:`launch_overrides`), and only rank 0 keeps Hydra's ``.hydra/`` and ``train.log``;
+- every rank must write into the same run directory, but the default one is named after the time and the process
+  (``${qwenft_run_id:}``, :func:`qwenft.runlock.run_stamp`), which differ between ranks: rank 0's is broadcast
+  before Hydra creates anything (:func:`launch_overrides`); rank 0 alone takes the run directory's lock
+  (:class:`qwenft.runlock.RunLock`) and keeps Hydra's ``.hydra/`` and ``train.log``;
 - only rank 0 writes qwenft's own files (config.yaml, adapter/, metrics.json, the report); checkpoints are
   written by every rank into one staging folder that rank 0 renames (``QwenftTrainer._save_checkpoint``);
 - environment problems (a missing deepspeed or flash-attn package, no GPU, no distributed launch) stop the run
@@ -261,7 +262,7 @@ def preflight(config: Config, command: str) -> None:
         raise QwenftError(f"qwenft {command} runs in one process: start it with python -m qwenft {command} ... "
                           "(torchrun / accelerate launch are for train)")
     needs_gpu_check = config.model.attn_implementation == "flash_attention_2" or (
-        command == "train" and (config.dist.strategy != "none" or world_size() > 1))
+        command == "train" and (config.dist.strategy != "none" or world_size() > 1 or config.train.kernels == "liger"))
     if not needs_gpu_check:
         return  # the common case imports no torch
     from qwenft.model import default_device
@@ -270,7 +271,10 @@ def preflight(config: Config, command: str) -> None:
     if command in MODEL_COMMANDS:
         check_attention(config.model.attn_implementation, device)
     if command == "train":
+        from qwenft.kernels import resolve_kernels
+
         check_strategy(config, device.startswith("cuda"))
+        resolve_kernels(config.train.kernels, device.startswith("cuda"))
 
 
 def training_kwargs(config: Config, cuda: bool) -> Dict[str, Any]:

@@ -97,6 +97,32 @@ def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bo
         **training_kwargs(config, _on_cuda(model)))
 
 
+def torch_dtype_of(args):
+    """The autocast dtype of ``TrainingArguments`` (bf16 or fp16), or None."""
+    import torch
+
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def head_to_autocast_dtype(model, dtype) -> bool:
+    """Keep a frozen, untied fp32 ``lm_head`` in the autocast dtype ``dtype``.
+
+    Under autocast the vocabulary projection runs in ``dtype`` anyway; peft's k-bit preparation upcast the weight to
+    fp32 (2.2 GB for Qwen2.5-7B's 152064 x 3584), which autocast would cast back on every step (a 1.1 GB copy). The
+    values are unchanged (a 16-bit checkpoint's weight went 16 -> 32 -> 16 bits). A tied lm_head (it is the input
+    embedding: casting it would change the residual stream's dtype) or a trainable one is left alone.
+
+    Returns:
+        Whether the weight was cast.
+    """
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head, embed = causal.get_output_embeddings(), causal.get_input_embeddings()
+    if head is None or head.weight is embed.weight or head.weight.requires_grad or head.weight.dtype == dtype:
+        return False
+    head.to(dtype)
+    return True
+
+
 def _on_cuda(model) -> bool:
     return next(model.parameters()).device.type == "cuda"
 
@@ -104,10 +130,13 @@ def _on_cuda(model) -> bool:
 def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path):
     """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator and callbacks."""
     from qwenft.data import DataCollator
+    from qwenft.kernels import resolve_kernels
     from qwenft.train_callbacks import ProgressBarCallback, QwenftTrainer
 
     has_eval = bundle.eval is not None and len(bundle.eval) > 0
     args = training_arguments(config, model, checkpoint_dir, has_eval)
+    if args.bf16 or args.fp16:
+        head_to_autocast_dtype(model, torch_dtype_of(args))
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
                             eval_dataset=bundle.eval if has_eval else None,
                             # flash-attention honours packed boundaries only in one flattened row
@@ -115,6 +144,7 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path)
                                                        config.model.attn_implementation == "flash_attention_2"))
     trainer.add_callback(ProgressBarCallback())
     trainer.qwenft_config = config
+    trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
     return trainer
 
 
@@ -301,6 +331,7 @@ def run(config: Config) -> Path:
 
     from qwenft import data as data_lib
     from qwenft import dist
+    from qwenft.kernels import apply_kernels, resolve_kernels
     from qwenft.model import attach_lora, default_device, load_model, load_tokenizer, resolve_model_dir
 
     if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
@@ -334,6 +365,7 @@ def run(config: Config) -> Path:
 
     log.info("distributed: %s", dist.describe(config))
     model, tokenizer = load_model(config, tokenizer=tokenizer)
+    apply_kernels(model, resolve_kernels(config.train.kernels, _on_cuda(model)))
     set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
     model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
                         keep_dtype=config.dist.quant_storage != "uint8")
@@ -359,7 +391,8 @@ def run(config: Config) -> Path:
         log.warning("eval.after_train is skipped with dist=%s (each rank holds part of the weights); evaluate in "
                     "one process: python -m qwenft eval adapter=%s", config.dist.name, out_dir / "adapter")
     elif config.eval.after_train:
-        _evaluate_after_train(config, model, tokenizer, bundle)
+        with trainer.accelerator.autocast():  # the precision training ran in (its lm_head may be 16-bit now)
+            _evaluate_after_train(config, model, tokenizer, bundle)
     print(f"run directory: {out_dir}")
     return out_dir
 

@@ -40,28 +40,31 @@ class QwenftTrainer(Trainer):
         self._staging: Optional[str] = None
         self._last_log = (time.perf_counter(), 0)
         self.qwenft_config = None  # set by make_trainer: written into every checkpoint as qwenft.json
+        self.kernels = "none"  # resolved train.kernels (qwenft.kernels), set by make_trainer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Causal LM loss with the vocabulary projection applied to supervised positions only.
+        """Causal LM loss over the supervised positions, under mixed precision, without a logits tensor.
 
-        The same value as transformers' ``ForCausalLMLoss`` (sum of token NLLs over labels != -100, divided
-        by ``num_items_in_batch`` when the Trainer passes it, else by the count), but ``lm_head`` runs on
-        the supervised hidden states instead of every position: on chat data about a third of the tokens
-        are supervised, and with Qwen's 151,936-word vocabulary the full ``[batch, seq, vocab]`` logits are
-        a large share of a small model's compute and memory.
+        The same value as transformers' ``ForCausalLMLoss`` (sum of token NLLs over labels != -100, divided by
+        ``num_items_in_batch`` when the Trainer passes it, else by the count), but:
+
+        - the body and the vocabulary projection run inside ``self.accelerator.autocast()``, the autocast region
+          accelerate puts around the top-level model's ``forward`` (bf16 / fp16 under ``train.precision``), since
+          they are called directly here: without it the LoRA and vocabulary GEMMs ran in fp32 and SDPA fell back to
+          its math path on CUDA;
+        - the vocabulary projection and cross-entropy run on the supervised positions only, in chunks, with the
+          hidden-state gradient computed as they go (:func:`qwenft.loss.fused_loss`: Liger's fused linear
+          cross-entropy with ``train.kernels=liger``, else :func:`qwenft.loss.linear_cross_entropy`), so no
+          ``[tokens, vocab]`` logits tensor is ever held (Qwen2.5: 0.6 MB of fp32 per token).
         """
+        from qwenft.loss import supervised_loss_sum
+
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
-        body, head = getattr(causal, "model", None), getattr(causal, "lm_head", None)
-        if body is None or head is None or "labels" not in inputs:
+        if getattr(causal, "model", None) is None or getattr(causal, "lm_head", None) is None or "labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        labels = inputs["labels"]
-        features = {k: v for k, v in inputs.items() if k != "labels"}
-        hidden = body(**features, use_cache=False).last_hidden_state
-        targets = labels[:, 1:]
-        keep = targets != -100
-        logits = head(hidden[:, :-1][keep]).float()  # [supervised tokens, vocab]
-        loss = torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
-        denominator = num_items_in_batch if num_items_in_batch is not None else keep.sum()
+        with self.accelerator.autocast():
+            loss, count = supervised_loss_sum(model, inputs, self.kernels)
+        denominator = num_items_in_batch if num_items_in_batch is not None else count
         loss = loss / torch.as_tensor(denominator, device=loss.device).clamp(min=1)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
             # num_items_in_batch counts the labels of all ranks and DDP averages the gradients over the ranks:

@@ -31,24 +31,33 @@ def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
     result = json.loads((tmp_path / "gpu_qlora_tiny.json").read_text())
     settings = result["settings"]
     assert result["mode"] == "tiny" and settings["device"] == "cpu"
-    assert settings["train"] == {**settings["train"], "steps": 3, "seq": 64, "batch": 1, "gradient_checkpointing": True}
+    assert settings["train"] == {**settings["train"], "steps": 3, "block": 1, "blocks": 3, "timed_steps_per_arm": 2,
+                                 "seq": 64, "batch": 1, "gradient_checkpointing": True}
     assert settings["lora"]["r"] == 16 and len(settings["lora"]["target_modules"]) == 7
     assert _positive(result["copy_bandwidth_bytes_per_s"]) and _positive(result["seconds_total"])
-    assert [b["phase"] for b in result["build"]] == ["decode", "train_qwenft", "train_plain"]
+    assert [b["phase"] for b in result["build"]] == ["decode", "train_plain", "train_qwenft"]
     assert all(_positive(b["seconds"]) and _positive(b["tensor_bytes"]) for b in result["build"])
+    assert result["liger_skipped"] == "no CUDA device"  # the liger arm needs CUDA and Triton
 
     train = result["train"]
+    assert list(train) == ["plain", "qwenft"]
     for arm in ("qwenft", "plain"):
         t = train[arm]
         assert t["steps"] == 3 and all(_positive(s) for s in t["seconds_per_step"]), arm
-        assert _positive(t["median_s_per_step"]) and _positive(t["tokens_per_s"]) and _positive(t["peak_memory_bytes"])
+        assert t["block_of_step"] == [0, 1, 2] and t["timed_steps"] == 2  # the first block is not timed
+        assert t["median_s_per_step"] == pytest.approx(sum(t["seconds_per_step"][1:]) / 2)  # median of 2 timed
+        assert t["min_s_per_step"] <= t["p25_s_per_step"] <= t["median_s_per_step"] <= t["max_s_per_step"]
+        assert _positive(t["tokens_per_s"]) and t["peak_memory_bytes"] >= 0
+        assert len(t["round_ratios_to_plain"]) == 2 and all(_positive(r) for r in t["round_ratios_to_plain"])
         assert len(t["losses"]) == 3 and all(math.isfinite(x) for x in t["losses"]), arm
         # A random model with weights of std 0.02 predicts nearly uniformly: loss ~ ln(vocab) = ln(512) = 6.24;
         # 0.5 nat covers the random logits' spread, a wrong label shift or an all-masked loss falls far outside.
         assert abs(t["losses"][0] - math.log(settings["shape"]["vocab_size"])) < 0.5, t["losses"]
-    # Same seed, same rows, same LoRA init and dropout draws: the first loss may differ only by the summation order
-    # of the two loss implementations (qwenft projects the supervised positions only), far below 1e-4.
-    assert train["qwenft"]["losses"][0] == pytest.approx(train["plain"]["losses"][0], rel=1e-4)
+    # Same seed, same rows, same LoRA init: the first loss differs only by the summation order of the two loss
+    # implementations (qwenft's is chunked over the supervised positions) and by the arms' dropout draws from the
+    # shared RNG, which alternate: well within the 1e-2 the benchmark requires of the final losses.
+    assert train["qwenft"]["losses"][0] == pytest.approx(train["plain"]["losses"][0], rel=1e-2)
+    assert result["losses_match_plain"] is True and train["qwenft"]["final_loss_rel_diff_to_plain"] <= 1e-2
     assert _positive(result["ratio_train_qwenft_over_plain"])
 
     decode = result["decode"]
@@ -69,6 +78,19 @@ def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
     # model's 0.3 MB; a wrong NF4 or dense-weight formula is off by 2x or more.
     assert abs(plan["weights_error"]) < 0.1, plan["weights_error"]
     assert plan["train_peak_error"] is None  # a CPU's process RSS is not comparable with the plan
+
+
+def test_gpu_smoke_script_runs_every_command_on_this_device(tmp_path):
+    """`bash benchmarks/gpu/smoke.sh` (what a lent GPU runs first): train killed after its first checkpoint and
+    resumed, eval, generate and merge on tiny-random NF4, here on the CPU; each step's exit code and files checked."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/smoke.sh")], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    assert result["ok"] is True and result["device"] == "cpu"
+    assert [s["step"] for s in result["steps"]] == ["train, killed after checkpoint-2", "train train.resume=auto",
+                                                     "eval adapter=", "generate prompts_file=", "merge"]
+    assert [s["exit"] for s in result["steps"]] == [-9, 0, 0, 0, 0] and all(s["ok"] for s in result["steps"])
 
 
 def test_suite_runs_a_benchmark_and_collects_its_ratio(tmp_path):

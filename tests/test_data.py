@@ -281,7 +281,7 @@ def test_missing_path(tmp_path):
 def test_roles_must_alternate_and_end_with_the_answer(tmp_path):
     turns = [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}]
     message = bad(tmp_path, "s.jsonl", json.dumps({"conversations": turns}) + "\n", format="sharegpt")
-    assert "field 'conversations[1].value'" in message and "'assistant' was expected" in message
+    assert "field 'conversations[1].from'" in message and "'assistant' was expected" in message
     message = bad(tmp_path, "r.jsonl", json.dumps({"conversations": [{"from": "bot", "value": "q"}]}) + "\n",
                   format="sharegpt")
     assert "conversations[0].from" in message and "unknown role 'bot'" in message
@@ -502,3 +502,101 @@ def test_preview_warns_when_max_seq_len_exceeds_the_context(tmp_path, capsys):
     main(["data", "model=tiny-random", "model.tiny.max_position_embeddings=256", "data.cache=false", sources,
           "data.max_seq_len=256"])
     assert "exceeds" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- issue 19: every input, one answer
+
+def test_one_reader_strips_a_bom_and_names_the_byte_offset(tmp_path):
+    from qwenft.data.read import read_text
+
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfThe fox.\n")
+    (tmp_path / "plain.txt").write_bytes(b"The fox.\n")
+    assert read_text(str(tmp_path / "bom.txt")) == read_text(str(tmp_path / "plain.txt")) == "The fox.\n"
+    (tmp_path / "latin1.txt").write_bytes("ok\nA café".encode("latin-1"))
+    with pytest.raises(DataError) as info:
+        read_text(str(tmp_path / "latin1.txt"))
+    assert str(info.value) == (f"{tmp_path / 'latin1.txt'}: line 2: not UTF-8 text: byte 0xe9 at byte offset 8 "
+                               "(column 6); re-save the file as UTF-8")
+    # A data file with a BOM: the same reader, and the offset counts the BOM's 3 bytes.
+    message = bad(tmp_path, "b.jsonl", b"\xef\xbb\xbf" + (GOOD + "\n").encode() + b'{"instruction": "caf\xe9"}\n')
+    assert "line 2" in message and f"byte offset {3 + len(GOOD) + 1 + 20}" in message
+
+
+def test_a_list_or_object_eval_by_value_is_one_group():
+    from qwenft.data.mix import group_key
+
+    values = [None, "t1", 10, "10", True, 1, ["t1", "t2"], {"b": 1, "a": [2]}, ["t1", "t2"], {"a": [2], "b": 1}]
+    rows = [{"row": i + 1, "meta": {"tag": v}} for i, v in enumerate(values)]
+    held, kept = split_eval(rows, 8, seed=0, name="s", by="tag")
+    assert len(held) == 8 and len({group_key(r["meta"]["tag"]) for r in held}) == 8  # 8 distinct of 8 groups
+    assert group_key(["t1", "t2"]) == '["t1", "t2"]' and group_key({"b": 1, "a": [2]}) == '{"a": [2], "b": 1}'
+    assert len({group_key(v) for v in values}) == 8  # 10, "10", True and 1 stay apart; equal lists/objects join
+
+
+def test_turn_order_errors_name_the_role_field(tmp_path):
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+             {"role": "assistant", "content": "b"}]
+    message = bad(tmp_path, "m.jsonl", json.dumps({"messages": turns}) + "\n", format="messages")
+    assert "field 'messages[2].role'" in message and "'user' was expected" in message
+    message = bad(tmp_path, "e.jsonl", json.dumps({"messages": turns[:1]}) + "\n", format="messages")
+    assert "field 'messages[0].role'" in message and "must end with an assistant turn" in message
+    message = bad(tmp_path, "c.jsonl", json.dumps({"messages": turns[:1] + [{"role": "assistant", "content": " "}]})
+                  + "\n", format="messages")
+    assert "field 'messages[1].content'" in message and "empty answer" in message  # a content fault: content
+
+
+def test_every_row_skipped_says_so_first(tmp_path):
+    from qwenft.data.checks import skipped_lines
+
+    rows = [[{"instruction": f"q{i}", "output": "a"}] for i in range(4)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    source = DataSource(name="domain", path=str(path), eval_rows=3)
+    with pytest.raises(DataError) as info:
+        read_source(source, on_bad_row="skip")
+    assert str(info.value) == (f"domain: all 4 rows were skipped as bad (first: {path}: row 1: expected an object "
+                               "(a row with named fields), got a one-item list holding an object)")
+    lines = skipped_lines("domain", [f"m{i}" for i in range(5)], 9)
+    assert lines == ["domain: 5 of 9 rows were skipped as bad (data.on_bad_row=skip)", "  skipped: m0",
+                     "  skipped: m1", "  skipped: m2", "  ... and 2 more"]
+    assert skipped_lines("domain", ["m0"], 9)[-1] == "  skipped: m0" and skipped_lines("domain", [], 9) == []
+
+
+def test_placeholders_warned_and_filled(tmp_path, caplog):
+    import logging
+
+    from qwenft.data.checks import eval_share_warning, placeholder_warning
+
+    rows = [{"instruction": "Who are you?", "output": "I am {{name}}, built by {{ author }}."},
+            {"instruction": "你是谁？", "output": "我是 {{name}}。"}, {"instruction": "Hi", "output": "Hello."},
+            {"instruction": "Code?", "output": "Go: {{.Name}}; Jinja: {{ user.name }}"}]
+    path = write_jsonl(tmp_path / "id.jsonl", rows)
+    source = DataSource(name="identity", path=str(path))
+    warning = placeholder_warning(read_source(source), source, 0)
+    assert warning.startswith("identity: 2 of 4 answers contain unfilled placeholders ({{name}}, {{author}}); ")
+    assert "'data.sources.0.replace={name: ..., author: ...}'" in warning
+    filled = DataSource(name="identity", path=str(path), replace={"name": "Ada", "author": "Acme", "nmae": "x"})
+    with caplog.at_level(logging.WARNING):
+        got = read_source(filled)
+    assert [r["messages"][-1]["content"] for r in got[:2]] == ["I am Ada, built by Acme.", "我是 Ada。"]
+    assert placeholder_warning(got, filled, 0) is None and "no row holds {{nmae}}" in caplog.text
+    with pytest.raises(ConfigError, match=r"replace\.\{\{name\}\}"):
+        DataSource(name="x", path="a.jsonl", replace={"{{name}}": "Ada"})
+    # eval_rows holding out more than a third of a (small) training source is said; an eval-only source is not.
+    share = eval_share_warning(DataSource(name="d", path="a", eval_rows=50), 0, 120)
+    assert share.startswith("d: eval_rows=50 holds out 50 of its 120 rows (42%); only 70 are trained on")
+    assert eval_share_warning(DataSource(name="d", path="a", eval_rows=40), 0, 120) is None
+    assert eval_share_warning(DataSource(name="d", path="a", eval_rows=120, weight=0.0), 0, 120) is None
+
+
+def test_a_row_losing_only_its_unsupervised_tail_fits(tiny):
+    from qwenft.data.template import assemble
+
+    messages = [{"role": "user", "content": "Describe the lamp."}, {"role": "assistant", "content": "A lamp."}]
+    full = encode_example(tiny, messages, max_seq_len=1024, train_on="assistant")
+    n = len(full["input_ids"])
+    assert full["labels"][-1] == IGNORE_INDEX and full["labels"][-2] != IGNORE_INDEX  # <|im_end|> then "\n"
+    fit = encode_example(tiny, messages, max_seq_len=n - 1, train_on="assistant")
+    assert fit["overflow"] == 0 and fit["input_ids"] == full["input_ids"][:-1] and fit["labels"] == full["labels"][:-1]
+    assert encode_example(tiny, messages, max_seq_len=n - 2, train_on="assistant")["overflow"] == 2
+    assert assemble([[1, 2], [3]], [False, False], 2)["overflow"] == 1  # nothing supervised kept: still a cut

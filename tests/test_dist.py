@@ -21,8 +21,8 @@ from tests.test_train import write_rows
 
 DIST_PRESETS = sorted(p.stem for p in (ROOT / "conf" / "dist").glob("*.yaml"))
 
-# Rank 1 starts 1.5 s late, so the two ranks' ${now:...} run directory names differ: without the broadcast of
-# rank 0's out_dir they would write two run directories.
+# The two ranks' default run directory names differ (time and process id; rank 1 starts 1.5 s late): without the
+# broadcast of rank 0's out_dir they would write two run directories.
 LAUNCHER = """
 import os, sys, time
 if os.environ.get("RANK") == "1":
@@ -135,7 +135,7 @@ def assert_same_training(run_dir: Path, reference: Path, resumed: bool = False) 
 def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, single_process_run):
     reference, rows = single_process_run
     work = tmp_path / "work"
-    # No out_dir: the default outputs/train/<time> is used, and rank 1 starts 1.5 s late (LAUNCHER).
+    # No out_dir: the default outputs/train/<time>_<pid> is used, and rank 1 starts 1.5 s late (LAUNCHER).
     args = [*common_args(rows), "train.batch_size=1", "eval.after_train=true", "eval.max_eval_prompts=2",
             "eval.max_new_tokens=4", "eval.samples_in_report=1"]
     result = torchrun(tmp_path, work, args)

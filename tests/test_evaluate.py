@@ -16,7 +16,7 @@ def report_table(report: str, source: str) -> dict:
     rows = {}
     for line in section.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0]] = [float(c) for c in cells[1:]]
+        rows[cells[0]] = [None if c in ("n/a", "") else float(c) for c in cells[1:]]
     return rows
 
 
@@ -52,6 +52,9 @@ def test_metrics_json_matches_report(trained_run):
     toy = metrics["eval"]["sources"]["toy"]
     table = report_table((run_dir / "report.md").read_text(), "toy")
     for name, (base, tuned, delta) in table.items():
+        if toy["base"][name] is None:  # n/a (e.g. exact_match_number on free-text answers): null, no delta
+            assert (base, tuned, delta) == (None, None, None) and name not in toy["delta"]
+            continue
         assert base == pytest.approx(toy["base"][name], abs=5e-4)  # the report prints 3 decimals
         assert tuned == pytest.approx(toy["tuned"][name], abs=5e-4)
         assert delta == pytest.approx(toy["tuned"][name] - toy["base"][name], abs=1e-3)
@@ -75,6 +78,26 @@ def test_eval_command_with_adapter(trained_run):
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["eval"]["sources"]["toy"]) == {"base", "tuned", "delta"}
     assert re.search(r"\| exact_match_number \|", (out / "report.md").read_text())
+
+
+def test_eval_with_a_recipe_runs_the_adapters_base_and_reports_its_lora(trained_run):
+    """`eval +recipe=domain adapter=RUN/adapter` (the README's way): the recipe's 7B is a default, not typed, so the
+    base the adapter records runs; report.md's LoRA line is the adapter's, not the live config's (lora.r=4 here)."""
+    from tests.test_config import run_cli as run_any
+
+    tmp, run_dir = trained_run
+    out = tmp / "recipe-eval"
+    result = run_any("eval", "+recipe=domain", f"adapter={run_dir / 'adapter'}",
+                     f"data.sources.0.path={tmp / 'rows.jsonl'}", "data.sources.0.eval_rows=2",
+                     "data.sources.1.eval_rows=1", "eval.max_new_tokens=2", "eval.max_eval_prompts=1", "lora.r=4",
+                     "lora.lora_alpha=8", f"out_dir={out}", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "from the adapter's qwenft.json" in result.stdout + result.stderr
+    report = (out / "report.md").read_text()
+    lora = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert lora["r"] != 4 and f"- LoRA: r={lora['r']}, lora_alpha={lora['lora_alpha']}, " in report
+    assert "; trained on `tiny-random` with quant=none" in report
+    assert "- model: `tiny-random` (tiny-random, quant=none)" in report  # what ran: the adapter's base
 
 
 def test_eval_refuses_a_missing_adapter(tmp_path):

@@ -165,7 +165,10 @@ def test_dequantize_for_inference_keeps_base_and_tuned_outputs(flag):
     from qwenft.model import dequantize_for_inference
 
     torch.manual_seed(0)
-    cfg = compose_config("model=tiny-random", "quant=nf4", f"quant.dequantize_for_inference={str(flag).lower()}")
+    # float32 compute like the preset's float32 weights: with auto (bf16 on a CPU with AVX512-BF16) the 4-bit layers
+    # would round to bf16 while the dense copies, in the model's float32, would not
+    cfg = compose_config("model=tiny-random", "quant=nf4", "quant.compute_dtype=float32",
+                         f"quant.dequantize_for_inference={str(flag).lower()}")
     model, _ = load_model(cfg)
     model = attach_lora(model, cfg.lora, gradient_checkpointing=False)
     for name, param in model.named_parameters():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -105,13 +104,18 @@ def test_nf4_bytes_match_bitsandbytes(tmp_path):
     assert nf4_bytes(64 * 256 * 100) * 8 / (64 * 256 * 100) == pytest.approx(4 + 8 / 64 + 32 / (64 * 256))
 
 
-def saved_bytes(config, batch: int, seq: int, amp: bool) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves in one training forward of the tiny model."""
+def saved_bytes(config, batch: int, seq: int, amp: bool, tmp_path) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves in one training forward of the tiny model, loss
+    included, as qwenft's trainer runs it (``QwenftTrainer.compute_loss``: its autocast, its chunked loss)."""
+    from qwenft.data import DataBundle
     from qwenft.model import attach_lora, load_model
+    from qwenft.train import make_trainer
 
     torch.manual_seed(0)
-    model, _ = load_model(config, device="cpu")
+    model, tokenizer = load_model(config, device="cpu")
     peft_model = attach_lora(model, config.lora, gradient_checkpointing=False)
+    trainer = make_trainer(config, peft_model, tokenizer, DataBundle(train=[], eval=None, eval_rows={}, stats={}),
+                           tmp_path / "checkpoints")
     peft_model.train()
     params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
     seen = {}
@@ -128,9 +132,8 @@ def saved_bytes(config, batch: int, seq: int, amp: bool) -> int:
     mask = torch.ones(batch, seq, dtype=torch.long)
     if batch > 1:
         mask[1, -3:] = 0  # real padding: a mask reaches attention
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        peft_model(input_ids=ids, attention_mask=mask, labels=ids)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.compute_loss(peft_model, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     return sum(nbytes for nbytes, _ in seen.values())
 
 
@@ -149,13 +152,13 @@ def test_activation_formula_equals_autograd_saved_bytes(tmp_path, quant, attn, d
                             f"quant.compute_dtype={'bfloat16' if amp else 'float32'}",
                             f"train.precision={'bf16' if amp else 'fp32'}", "train.gradient_checkpointing=false",
                             f"out_dir={tmp_path}")
-    measured = saved_bytes(config, batch, seq, amp)
+    measured = saved_bytes(config, batch, seq, amp, tmp_path)
     arch = resolve_architecture(config.model)
     setup = TrainSetup.from_config(config, device="cpu")
     assert setup.amp is amp
     terms = activation_terms(arch, setup, batch, seq)
     predicted = (terms["layers"] + arch.num_hidden_layers * terms["layer_constants"] + terms["final"]
-                 + terms["lm_head_copy"] + 4 * batch * seq * arch.vocab_size)  # + the saved fp32 log-softmax
+                 + terms["loss_saved"])  # the loss keeps the [rows, hidden] gradient, no logits
     # 16 bytes: the scalar loss and the rounding of the int64 labels' storage; everything else is exact.
     assert abs(predicted - measured) <= 16, (predicted, measured)
 
@@ -170,13 +173,17 @@ def test_training_memory_shape_of_the_answer():
 
     without = training_memory(arch, dataclasses.replace(setup, gradient_checkpointing=False), 1, 2048)
     assert with_gc["peak"] < without["peak"]
-    assert with_gc["logits"] == 12 * 2048 * arch.vocab_size
-    # Training weights: NF4 projections + fp32 embeddings/lm_head/norms/biases (peft k-bit preparation).
+    terms = activation_terms(arch, setup, 1, 2048)
+    assert with_gc["loss"] == terms["loss_saved"] + terms["loss_transient"]
+    assert with_gc["loss"] < 2048 * arch.vocab_size  # less than one byte per logit: no logits tensor
+    # Training weights: NF4 projections + fp32 embeddings/norms/biases (peft k-bit preparation) + the untied lm_head
+    # kept in bf16 under autocast (qwenft.train.head_to_autocast_dtype).
     counts = parameter_counts(arch)
-    dense = counts["embeddings"] + counts["lm_head"] + counts["norms"] + counts["attention_bias"]
+    dense = counts["embeddings"] + counts["norms"] + counts["attention_bias"]
     bits = 4 + 8 / 64 + 32 / (64 * 256)  # NF4 with double-quantized absmax
     # rel 1e-6: only the per-tensor rounding up of blocks differs from the per-weight average
-    assert with_gc["weights"] - 4 * dense == pytest.approx(bits / 8 * (counts["attention"] + counts["mlp"]), rel=1e-6)
+    projections = bits / 8 * (counts["attention"] + counts["mlp"])
+    assert with_gc["weights"] - 4 * dense - 2 * counts["lm_head"] == pytest.approx(projections, rel=1e-6)
     bigger = training_memory(arch, setup, 4, 2048)
     assert bigger["peak"] > with_gc["peak"]
 
@@ -258,6 +265,7 @@ def test_auto_dtypes_and_supervised_fraction():
     arch = arch_of(QWEN7B)
     config = compose_config("model=qwen2.5-7b-instruct", "plan.supervised_fraction=0.25")
     setup = TrainSetup.from_config(config, device="cuda")
-    assert training_memory(arch, setup, 2, 1000)["logits"] == 12 * 500 * arch.vocab_size
+    # 2 rows x 999 predicted positions x 0.25 = 499.5 -> 500 supervised rows; their bf16 hidden-state gradient
+    assert activation_terms(arch, setup, 2, 1000)["loss_saved"] == 500 * arch.hidden_size * 2
     with pytest.raises(ConfigError, match="plan.supervised_fraction"):
         compose_config("plan.supervised_fraction=0")

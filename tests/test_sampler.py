@@ -459,6 +459,16 @@ def test_prompts_file_errors_name_file_line_and_field(tmp_path):
             read_prompts(str(path))
 
 
+def test_prompts_file_goes_through_the_data_files_reader(tmp_path):
+    """A BOM is not content; bytes that are not UTF-8 stop with file, line and byte offset (issue 19)."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n')
+    assert read_prompts(str(path)) == [(1, {"prompt": "hi"})]
+    path.write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(QwenftError, match=r"p\.jsonl: line 2: not UTF-8 text: byte 0xe9 at byte offset 32 "):
+        read_prompts(str(path))
+
+
 def test_cli_prompts_file(tmp_path):
     """The real command line (COMMAND_TABLE, Hydra, exit code): a JSONL file in, a JSONL file out."""
     prompts = tmp_path / "prompts.jsonl"

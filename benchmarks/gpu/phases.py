@@ -1,9 +1,9 @@
-"""The measured phases of the one-GPU check: the two training arms and the alternated decode (see qlora_7b.py)."""
+"""Memory and bandwidth measures, the training rows and the alternated decode of the one-GPU check (qlora_7b.py;
+the training arms are in train_arms.py)."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -79,91 +79,6 @@ def random_rows(vocab: int, n: int, seq: int, seed: int) -> List[Dict[str, List[
 
     ids = torch.randint(3, vocab, (n, seq), generator=torch.Generator().manual_seed(seed)).tolist()
     return [{"input_ids": row, "labels": list(row)} for row in ids]
-
-
-def _step_timer(cuda: bool):
-    """A TrainerCallback recording the wall time of every optimizer step, synchronising CUDA at both ends."""
-    import torch
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.steps, self.start = [], 0.0
-
-        def _now(self):
-            if cuda:
-                torch.cuda.synchronize()
-            return time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = self._now()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.steps.append(self._now() - self.start)
-
-    return StepTimer()
-
-
-def _train_result(trainer, timer, memory, seconds: float, tokens_per_step: int) -> dict:
-    steps = timer.steps
-    timed = steps[1:] if len(steps) > 1 else steps  # the first step is warm-up
-    median = statistics.median(timed)
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"seconds_per_step": steps, "median_s_per_step": median, "tokens_per_s": tokens_per_step / median,
-            "steps": len(steps), "train_seconds": seconds, "peak_memory_bytes": memory.peak(), "losses": losses}
-
-
-def qwenft_train(model, tokenizer, config, rows, memory, tmp: Path) -> dict:
-    """qwenft's training path: ``attach_lora`` (k-bit preparation, non-reentrant checkpointing) and
-    ``make_trainer`` (QwenftTrainer, qwenft's DataCollator, callbacks) on ``rows``."""
-    from qwenft.data import DataBundle
-    from qwenft.model import attach_lora
-    from qwenft.train import make_trainer
-
-    from transformers import set_seed
-
-    set_seed(config.train.seed)
-    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
-    bundle = DataBundle(train=rows, eval=None, eval_rows={}, stats={})
-    trainer = make_trainer(config, model, tokenizer, bundle, tmp / "qwenft")
-    timer = _step_timer(memory.cuda)
-    trainer.add_callback(timer)
-    memory.reset()
-    start = time.perf_counter()
-    trainer.train()
-    result = _train_result(trainer, timer, memory, time.perf_counter() - start, len(rows[0]["input_ids"]) *
-                           config.train.batch_size)
-    del trainer, model
-    return result
-
-
-def plain_train(model, tokenizer, config, rows, memory, tmp: Path) -> dict:
-    """The baseline a user writes with transformers + peft + bitsandbytes (as benchmarks/train_step.py's)."""
-    import torch
-    from benchmarks.common import plain_lora
-    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
-
-    cuda = memory.cuda
-    set_seed(config.train.seed)
-    model = plain_lora(model, config.lora, gradient_checkpointing=True)
-    t = config.train
-    args = TrainingArguments(output_dir=str(tmp / "plain"), max_steps=t.max_steps,
-                             per_device_train_batch_size=t.batch_size, learning_rate=t.lr,
-                             lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,
-                             optim="paged_adamw_8bit" if cuda else "adamw_torch", save_strategy="no", report_to=[],
-                             logging_steps=1, remove_unused_columns=False, use_cpu=not cuda, disable_tqdm=True,
-                             seed=t.seed, bf16=cuda and torch.cuda.is_bf16_supported())
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
-    timer = _step_timer(cuda)
-    trainer.add_callback(timer)
-    memory.reset()
-    start = time.perf_counter()
-    trainer.train()
-    result = _train_result(trainer, timer, memory, time.perf_counter() - start, len(rows[0]["input_ids"]) *
-                           t.batch_size)
-    del trainer, model
-    return result
 
 
 def decode_phase(model, tokenizer, args, memory, bandwidth: float) -> List[dict]:

@@ -12,15 +12,19 @@ memory peak is its own; ``torch.cuda.max_memory_allocated`` is reset before each
    step is ``weight bytes read per step / measured device copy bandwidth`` (STREAM copy convention, read +
    write); ``ceiling = batch / floor`` tokens/s. (At batch > 1 bitsandbytes dequantizes each weight to bf16
    before the matmul, which moves more bytes than the packed weights: the floor is a lower bound.)
-2. train, qwenft: ``qwenft.model.attach_lora`` + ``qwenft.train.make_trainer`` (its Trainer subclass, collator
-   and callbacks) on random token rows, gradient checkpointing, bf16 autocast, paged 8-bit AdamW.
-3. train, plain: what a user writes by hand: ``peft.prepare_model_for_kbit_training`` + ``get_peft_model`` +
-   ``transformers.Trainer`` with ``DataCollatorForSeq2Seq`` and the same settings.
+2. train, three arms on the same random token rows, each on its own copy of the model, alternated in blocks of
+   optimizer steps (:mod:`benchmarks.gpu.train_arms`: ``plain qwenft liger plain qwenft liger ...``, the first
+   block of each arm untimed): ``plain``, what a user writes by hand (``peft.prepare_model_for_kbit_training`` +
+   ``get_peft_model`` + ``transformers.Trainer`` with ``DataCollatorForSeq2Seq``); ``qwenft``
+   (``qwenft.model.attach_lora`` + ``qwenft.train.make_trainer``: its Trainer subclass, chunked loss, collator and
+   callbacks; ``train.kernels=none``); ``qwenft_liger`` (the same with ``train.kernels=liger``; only on CUDA with
+   liger-kernel installed). Gradient checkpointing, bf16 autocast, paged 8-bit AdamW in all.
 
-Seconds per step: median of the steps after the first (warm-up), CUDA synchronised at every step boundary.
+Seconds per step: median of the timed steps (CUDA synchronised at every step boundary) with p25/p75 and min/max, and
+the ratio to plain per alternation round. Final losses must agree with plain's within 1e-2 relative.
 The planner's prediction (``qwenft.plan``: weights as loaded, the training-step peak, the KV cache) is
 recorded beside each measurement. ``--tiny`` runs the same code on a shape-reduced model on the CPU (fp32
-compute, NF4 through bitsandbytes' CPU backend, seq 64, 3 steps, 8 new tokens), as the test suite does.
+compute, NF4 through bitsandbytes' CPU backend, seq 64, 3 blocks of 1 step, 8 new tokens), as the test suite does.
 
     bash benchmarks/gpu/run.sh                 # full: 7B shape, CUDA (about 3-5 minutes on one H200)
     bash benchmarks/gpu/run.sh --tiny          # CPU, seconds
@@ -44,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import environment, print_table, save_json  # noqa: E402
 from benchmarks.gpu.build import (PLAN_FIELDS, QWEN25_7B, TINY, build_nf4_model, tensor_bytes,  # noqa: E402
                                   tiny_overrides)
-from benchmarks.gpu.phases import (Memory, copy_bandwidth, decode_phase, plain_train, qwenft_train,  # noqa: E402
-                                   random_rows)
+from benchmarks.gpu.phases import Memory, copy_bandwidth, decode_phase, random_rows  # noqa: E402
+from benchmarks.gpu.train_arms import plain_builder, qwenft_builder, round_ratios, run_arms  # noqa: E402
+from qwenft.kernels import liger_installed  # noqa: E402
 
 
 
@@ -63,7 +68,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="shape-reduced model, CPU by default: seq 64, 3 steps")
     parser.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per arm (default 10; tiny 3)")
+    parser.add_argument("--block", type=int, default=None, help="optimizer steps per block (default 4; tiny 1)")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="blocks per arm, the first untimed (default 6: 20 timed steps; tiny 3)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per training row (default 2048; tiny 64)")
     parser.add_argument("--batch", type=int, default=1, help="training batch size")
     parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens per row (default 128; tiny 8)")
@@ -76,7 +83,11 @@ def parse_args(argv=None):
                              "suffer most from a busy machine; else torch's)")
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.tiny else "cuda")
-    args.steps = args.steps or (3 if args.tiny else 10)
+    args.block = args.block or (1 if args.tiny else 4)
+    args.blocks = args.blocks or (3 if args.tiny else 6)
+    if args.blocks < 2:
+        parser.error("--blocks must be >= 2 (the first block of each arm is not timed)")
+    args.steps = args.block * args.blocks
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 128)
     args.prompt_len = args.prompt_len or (16 if args.tiny else 32)
@@ -104,8 +115,10 @@ def qwenft_config(args, out_dir: str):
                               f"plan.device={'cuda' if cuda else 'cpu'}"])[0]
 
 
-def planner(config, args, shape) -> dict:
-    """The planner's numbers for this run, and a check that it plans the model that is built."""
+def planner(config, args, shape, kernels: str = "none") -> dict:
+    """The planner's numbers for this run (``train.kernels=kernels``), and a check that it plans the model built."""
+    import dataclasses
+
     from qwenft.plan import TrainSetup, kv_cache_bytes, resolve_architecture, training_memory, weight_bytes
 
     arch = resolve_architecture(config.model)
@@ -113,10 +126,11 @@ def planner(config, args, shape) -> dict:
         if getattr(arch, field) != shape[field]:
             raise SystemExit(f"the planner's architecture has {field}={getattr(arch, field)}, the built model "
                              f"{shape[field]} ({arch.source})")
-    setup = TrainSetup.from_config(config, device=config.plan.device)
+    setup = dataclasses.replace(TrainSetup.from_config(config, device=config.plan.device), kernels=kernels)
     train = training_memory(arch, setup, args.batch, args.seq, steady=True)
     context = args.prompt_len + args.new_tokens - 1  # the last token chosen is never fed back
     return {"numbers_from": arch.source, "device": setup.device, "optimizer": setup.optim, "autocast": setup.amp,
+            "kernels": kernels,
             "weights_loaded_bytes": weight_bytes(arch, True, setup.double_quant, setup.compute_bytes)["total"],
             "train_peak_bytes": train["peak"], "train_parts": train,
             "kv_cache_bytes_per_token": kv_cache_bytes(arch, 1, setup.compute_bytes),
@@ -160,18 +174,27 @@ def main(argv=None) -> None:
     print(f"device copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         config = qwenft_config(args, tmp)
+        liger = cuda and liger_installed()
         plan = planner(config, args, shape)
+        plans = {"qwenft": plan, **({"qwenft_liger": planner(config, args, shape, "liger")} if liger else {})}
         model = build("decode")
         results["decode"] = decode_phase(model, tokenizer, args, memory, bandwidth)
         del model
         _free(cuda)
         rows = random_rows(shape["vocab_size"], args.steps * args.batch, args.seq, args.seed)
-        results["train"]["qwenft"] = qwenft_train(build("train_qwenft"), tokenizer, config, rows, memory, Path(tmp))
-        _free(cuda)
-        results["train"]["plain"] = plain_train(build("train_plain"), tokenizer, config, rows, memory, Path(tmp))
+        builders = {"plain": plain_builder(lambda: build("train_plain"), tokenizer, config, rows, Path(tmp), cuda),
+                    "qwenft": qwenft_builder(lambda: build("train_qwenft"), tokenizer, config, rows, Path(tmp), "none")}
+        if liger:
+            builders["qwenft_liger"] = qwenft_builder(lambda: build("train_qwenft_liger"), tokenizer, config, rows,
+                                                      Path(tmp), "liger")
+        else:
+            results["liger_skipped"] = ("no CUDA device" if not cuda else
+                                        "liger-kernel is not installed (pip install 'qwenft[gpu]')")
+            print(f"arm qwenft_liger skipped: {results['liger_skipped']}", flush=True)
+        results["train"] = run_arms(builders, memory, args.block, args.blocks, args.seq * args.batch, cuda)
         _free(cuda)
     results["memory_measure"] = memory.measure
-    report(args, config, shape, plan, results, bandwidth, time.perf_counter() - started)
+    report(args, config, shape, plans, results, bandwidth, time.perf_counter() - started)
 
 
 def _free(cuda: bool) -> None:
@@ -182,28 +205,48 @@ def _free(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def report(args, config, shape, plan, results, bandwidth, seconds) -> None:
+def report(args, config, shape, plans, results, bandwidth, seconds) -> None:
     import torch
 
     train, decode = results["train"], results["decode"]
-    ratio = train["qwenft"]["median_s_per_step"] / train["plain"]["median_s_per_step"]
-    measured_train = train["qwenft"]["peak_memory_bytes"]
-    # Comparable only on CUDA: on a CPU the measure is the whole process's resident set (Python, libraries).
+    plan = plans["qwenft"]
+    plain = train["plain"]
     cuda = args.device.startswith("cuda")
-    plan["train_peak_error"] = plan["train_peak_bytes"] / measured_train - 1 if cuda and measured_train else None
+    for arm, t in train.items():
+        t["ratio_to_plain"] = t["median_s_per_step"] / plain["median_s_per_step"]
+        rounds = round_ratios(train, arm, "plain", args.block)
+        t["round_ratios_to_plain"] = rounds
+        t["memory_ratio_to_plain"] = (t["peak_memory_bytes"] / plain["peak_memory_bytes"]
+                                      if plain["peak_memory_bytes"] else None)
+        t["final_loss_rel_diff_to_plain"] = abs(t["final_loss"] / plain["final_loss"] - 1)
+        if arm in plans:  # comparable only on CUDA: on a CPU the measure is the process's resident set
+            t["planned_peak_bytes"] = plans[arm]["train_peak_bytes"]
+            t["plan_peak_error"] = plans[arm]["train_peak_bytes"] / t["peak_memory_bytes"] - 1 if cuda else None
+    losses_match = all(t["final_loss_rel_diff_to_plain"] <= 1e-2 for t in train.values())
+    ratio = train["qwenft"]["ratio_to_plain"]
+    measured_train = train["qwenft"]["peak_memory_bytes"]
+    plan["train_peak_error"] = train["qwenft"].get("plan_peak_error")
     build = results["build"][0]
     plan["weights_error"] = plan["weights_loaded_bytes"] / build["tensor_bytes"] - 1
     for row in decode:
         planned = plan["kv_cache_bytes"][str(row["batch"])]
         row["planned_kv_cache_bytes"] = planned
         row["kv_cache_error"] = planned / row["kv_cache_bytes"] - 1 if row["kv_cache_bytes"] else None
-    print_table(f"QLoRA training, batch {args.batch} x {args.seq} tokens, {args.steps} steps per arm "
-                f"(median s/step after the first; memory: {results['memory_measure']})",
-                ["arm", "s/step", "tokens/s", "peak memory", "plan peak", "final loss"],
-                [[arm, f"{t['median_s_per_step']:.3f}", f"{t['tokens_per_s']:.0f}", _size(t["peak_memory_bytes"]),
-                  _size(plan["train_peak_bytes"]) if arm == "qwenft" else "-",
-                  f"{t['losses'][-1]:.3f}" if t["losses"] else "-"] for arm, t in train.items()])
-    print(f"qwenft / plain seconds per step: {ratio:.3f}")
+    timed = train["qwenft"]["timed_steps"]
+    print_table(f"QLoRA training, batch {args.batch} x {args.seq} tokens, {args.blocks} blocks of {args.block} steps "
+                f"per arm alternated, {timed} timed (s/step: median [p25, p75] (min-max); memory: "
+                f"{results['memory_measure']})",
+                ["arm", "s/step", "ratio to plain [rounds]", "tokens/s", "peak memory", "x plain", "plan peak",
+                 "final loss (rel. diff)"],
+                [[arm, f"{t['median_s_per_step']:.3f} [{t['p25_s_per_step']:.3f}, {t['p75_s_per_step']:.3f}] "
+                       f"({t['min_s_per_step']:.3f}-{t['max_s_per_step']:.3f})",
+                  f"{t['ratio_to_plain']:.3f} [{min(t['round_ratios_to_plain']):.3f}-"
+                  f"{max(t['round_ratios_to_plain']):.3f}]" if t["round_ratios_to_plain"] else "-",
+                  f"{t['tokens_per_s']:.0f}", _size(t["peak_memory_bytes"]), f"{t['memory_ratio_to_plain']:.2f}" if t["memory_ratio_to_plain"] is not None else "-",
+                  _size(t["planned_peak_bytes"]) if "planned_peak_bytes" in t else "-",
+                  f"{t['final_loss']:.4f} ({t['final_loss_rel_diff_to_plain']:.1e})"] for arm, t in train.items()])
+    print(f"qwenft / plain seconds per step: {ratio:.3f}; final losses within 1e-2 of plain's: {losses_match}"
+          + (f"; {results['liger_skipped']}: no liger arm" if "liger_skipped" in results else ""))
     print_table(f"greedy decode, {args.new_tokens} new tokens after {args.prompt_len} prompt tokens (decode tok/s, "
                 f"median of {args.repeats})",
                 ["batch", "ours tok/s", "HF tok/s", "ratio", "ceiling tok/s", "ours frac", "peak ours | HF",
@@ -225,7 +268,8 @@ def report(args, config, shape, plan, results, bandwidth, seconds) -> None:
                      "lora": {"r": config.lora.r, "lora_alpha": config.lora.lora_alpha,
                               "lora_dropout": config.lora.lora_dropout,
                               "target_modules": list(config.lora.target_modules)},
-                     "train": {"steps": args.steps, "batch": args.batch, "seq": args.seq,
+                     "train": {"steps": args.steps, "block": args.block, "blocks": args.blocks,
+                               "timed_steps_per_arm": timed, "batch": args.batch, "seq": args.seq,
                                "gradient_checkpointing": True, "optimizer": plan["optimizer"],
                                "autocast_bf16": plan["autocast"], "lr": config.train.lr},
                      "decode": {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
@@ -234,7 +278,9 @@ def report(args, config, shape, plan, results, bandwidth, seconds) -> None:
                      "memory_measure": results["memory_measure"], "seed": args.seed,
                      "threads": torch.get_num_threads()},
         "copy_bandwidth_bytes_per_s": bandwidth, "build": results["build"], "train": train,
-        "ratio_train_qwenft_over_plain": ratio, "decode": decode, "plan": plan, "seconds_total": seconds,
+        "ratio_train_qwenft_over_plain": ratio, "losses_match_plain": losses_match,
+        "liger_skipped": results.get("liger_skipped"), "decode": decode, "plan": plan, "plans": plans,
+        "seconds_total": seconds,
     })
 
 

@@ -5,6 +5,8 @@ Modules, one step each:
 - :mod:`~qwenft.data.read` and :mod:`~qwenft.data.formats`: files (.json, .jsonl, .csv, .parquet) or
   Hugging Face datasets, formats alpaca / messages / sharegpt / text with ``columns`` renaming fields, rows
   validated with errors that name file, line or row, and field (:class:`DataError`).
+- :mod:`~qwenft.data.checks`: ``replace`` fills ``{{name}}`` placeholders; warnings for unfilled ones, skipped
+  rows (count, first rows, "... and N more") and an ``eval_rows`` share above a third.
 - :mod:`~qwenft.data.template`: the tokenizer's own chat template, response-only labels
   (:func:`encode_example`), and the sampler's prompt (:func:`prompt_ids`), token for token the prefix the
   trainer saw.

@@ -90,6 +90,17 @@ def _list(value: Any, field: str) -> list:
     return value
 
 
+def describe(value: Any) -> str:
+    """What a JSON value is, in words, for an error: ``a one-item list holding an object``, ``a number``, ..."""
+    names = {dict: "an object", list: "a list", str: "a text", bool: "true/false", int: "a number",
+             float: "a number", type(None): "null"}
+    if isinstance(value, (list, tuple)):
+        if len(value) == 1:
+            return f"a one-item list holding {names.get(type(value[0]), type(value[0]).__name__)}"
+        return f"a list of {len(value)} items" if value else "an empty list"
+    return names.get(type(value), type(value).__name__)
+
+
 def _short(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -146,7 +157,7 @@ def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str) -> List[Di
             raise DataError(f"unknown role {role!r}; accepted: {', '.join(accepted)}", field=f"{where}.{role_key}")
         role = role if fmt == "messages" else SHAREGPT_ROLES[role]
         messages.append({"role": role, "content": _string(turn[content_key], f"{where}.{content_key}", True),
-                         "_field": f"{where}.{content_key}"})
+                         "_field": f"{where}.{content_key}", "_role_field": f"{where}.{role_key}"})
     return messages
 
 
@@ -156,9 +167,11 @@ def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
     Raises:
         DataError: no turns, a system turn after the first, roles that do not alternate user / assistant
             starting with user, a conversation not ending with an assistant turn, or an empty user turn or
-            answer. The field is the turn's, when the format has one.
+            answer. The field is the turn's, when the format has one: its role field (``conversations[2].from``,
+            ``messages[2].role``) for a turn-order error, its content field for an empty turn.
     """
     fields = [m.get("_field") for m in messages]
+    role_fields = [m.get("_role_field") or m.get("_field") for m in messages]
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     if not plain:
         raise DataError("the conversation has no turns")
@@ -167,12 +180,13 @@ def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
         expected = "user" if (i - start) % 2 == 0 else "assistant"
         if message["role"] != expected:
             raise DataError(f"turn {i + 1} has role {message['role']!r} where {expected!r} was expected "
-                            "(an optional system turn first, then user and assistant alternating)", field=fields[i])
+                            "(an optional system turn first, then user and assistant alternating)",
+                            field=role_fields[i])
         if not message["content"]:
             what = "empty answer" if expected == "assistant" else "empty user turn"
             raise DataError(what, field=fields[i])
     if len(plain) == start or plain[-1]["role"] != "assistant":
-        raise DataError("the conversation must end with an assistant turn (the answer)", field=fields[-1])
+        raise DataError("the conversation must end with an assistant turn (the answer)", field=role_fields[-1])
     return plain
 
 
@@ -193,7 +207,7 @@ def normalise(record: Any, fmt: str, columns: Dict[str, str]) -> Tuple[List[Dict
         DataError: naming the field (the caller adds file and row).
     """
     if not isinstance(record, dict):
-        raise DataError(f"expected an object (a row with named fields), got {type(record).__name__}")
+        raise DataError(f"expected an object (a row with named fields), got {describe(record)}")
     used = {columns.get(name, name) for name in _FIELDS[fmt]}
     meta = {k: v for k, v in record.items() if k not in used}
     if fmt == "text":

@@ -16,11 +16,22 @@ shuffled with ``data.seed``. The sample of a non-anchor source is the same in ev
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from qwenft.data.formats import DataError
+
+
+def group_key(value: object) -> str:
+    """The ``eval_by`` group of a field value: its canonical JSON text (keys sorted), so any value a file holds
+    (null, text, number, list, object) is one hashable group; a value JSON cannot write (e.g. a date from a parquet
+    file) is written as its text."""
+    try:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):  # e.g. an object whose keys cannot be sorted against each other
+        return repr(value)
 
 
 def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
@@ -33,7 +44,8 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
         seed: ``data.seed``.
         name: the source name (each source draws from its own stream).
         by: a ``meta`` field; when set, the held-out rows are spread over its values (one row of each
-            value, in a seeded order, before any value gets a second one).
+            value, in a seeded order, before any value gets a second one). Values are grouped by
+            :func:`group_key`: a list or object is one value; ``1``, ``"1"`` and ``true`` are three.
 
     Returns:
         ``(eval_rows, train_rows)``, each in file order; disjoint and together ``rows``.
@@ -53,7 +65,7 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
                 raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
                                 f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",
                                 file=name, row=row["row"], field=by)
-            groups.setdefault(row["meta"][by], []).append(i)
+            groups.setdefault(group_key(row["meta"][by]), []).append(i)
         order = list(groups.values())
         rng.shuffle(order)
         for members in order:

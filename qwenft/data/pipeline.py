@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, DataConfig, DataSource
+from qwenft.data.checks import eval_share_warning, placeholder_warning, skipped_lines
 from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, mix_counts, pack, split_eval
 from qwenft.data.read import read_rows
@@ -19,7 +20,7 @@ from qwenft.files import staging_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the encoding changes, so old cached datasets are not reused
+CACHE_VERSION = 2  # bump when the encoding changes, so old cached datasets are not reused
 COLUMNS = ["input_ids", "labels", "length"]
 
 
@@ -164,12 +165,14 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
     return datasets.load_from_disk(str(path)), False
 
 
-def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any]):
+def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any], name: str):
     """Apply on_bad_row and overlong to a tokenized source; returns the usable rows and fills ``counts``."""
     errors, overflow, supervised = encoded["error"], encoded["overflow"], encoded["supervised"]
     bad = [e for e in errors if e]
     if bad and dcfg.on_bad_row == "error":
         raise DataError(bad[0])
+    for line in skipped_lines(name, bad, len(errors)):
+        log.warning("%s", line)
     keep, truncated, dropped = [], 0, 0
     for i, (error, cut, sup) in enumerate(zip(errors, overflow, supervised)):
         if error:
@@ -278,22 +281,25 @@ def build(config: Config, tokenizer) -> DataBundle:
     held_out: Dict[str, Any] = {}
     eval_rows: Dict[str, List[dict]] = {}
     hits = misses = 0
-    for src in dcfg.sources:
+    for index, src in enumerate(dcfg.sources):
         rows, skipped, unit = read_rows(src, dcfg.on_bad_row)
+        for line in skipped_lines(src.name, skipped, len(rows) + len(skipped)):  # before any other check
+            log.warning("%s", line)
+        for warning in (placeholder_warning(rows, src, index), eval_share_warning(src, index, len(rows))):
+            if warning:
+                log.warning("%s", warning)
         held, kept = split_eval(rows, src.eval_rows, dcfg.seed, src.name, src.eval_by)
         counts = {"path": src.path, "format": src.format, "rows_read": len(rows) + len(skipped),
                   "skipped": len(skipped), "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
-        for message in skipped[:3]:
-            log.warning("skipped: %s", message)
         if held:
             eval_rows[src.name] = held
             encoded, hit = tokenize_rows(held, tokenizer, dcfg, src, unit, fingerprint, "eval")
             hits, misses = hits + hit, misses + (not hit)
-            held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0})
+            held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
         if src.weight > 0:
             encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
             hits, misses = hits + hit, misses + (not hit)
-            usable[src.name] = _usable(encoded, dcfg, counts)
+            usable[src.name] = _usable(encoded, dcfg, counts, src.name)
         counts["usable"] = len(usable[src.name]) if src.name in usable else 0
         per_source[src.name] = counts
 

@@ -1,9 +1,10 @@
 """Read a data source (a local .json / .jsonl / .csv / .parquet file or a Hugging Face dataset id) into
 normalised rows ``{"messages": [...], "text": str | None, "meta": {...}, "source": name, "row": int}``.
 
-A relative path is resolved against the directory the command runs from. Text must be UTF-8 (a BOM is
-accepted). Row numbers are 1-based: the line for JSONL and CSV, the element for a JSON array, the row for
-parquet and Hugging Face datasets.
+A relative path is resolved against the directory the command runs from. :func:`read_text` is the one
+reader of every text file qwenft takes (data, prompts, ``eval.ppl_sources``): UTF-8, a leading byte-order mark
+removed, bytes that are not UTF-8 refused naming the file, line and byte offset. Row numbers are 1-based: the
+line for JSONL and CSV, the element for a JSON array, the row for parquet and Hugging Face datasets.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Set, Tuple
 
 from qwenft.config import DataSource
-from qwenft.data.formats import DataError, normalise
+from qwenft.data.checks import fill
+from qwenft.data.formats import DataError, describe, normalise
+
+log = logging.getLogger(__name__)
 
 FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 Record = Tuple[int, Any]  # (1-based line/row, the record, or a DataError for that line)
@@ -34,25 +39,72 @@ def _looks_local(path: str) -> bool:
             or ":\\" in path)
 
 
-def _decode(data: bytes, file: str, line_offset: int = 0, unit: str = "line") -> str:
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors write first: not content
+
+
+def decode_utf8(data: bytes, file: str, *, offset: int = 0, line: int = 1) -> str:
+    """Decode ``data``, a part of ``file`` starting at byte ``offset`` and line ``line`` (1-based), as UTF-8.
+
+    Raises:
+        DataError: a byte sequence that is not UTF-8, naming the file, its line, the byte value and its byte
+            offset in the file (0-based) and column (1-based, in bytes).
+    """
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1 + line_offset
+        bad_line = line + data[: exc.start].count(b"\n")
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise DataError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column} (re-save the file "
-                        "as UTF-8)", file=file, row=line, unit=unit) from None
+        raise DataError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset {offset + exc.start} "
+                        f"(column {column}); re-save the file as UTF-8", file=file, row=bad_line,
+                        unit="line") from None
 
 
-def _jsonl(data: bytes, file: str) -> Iterator[Record]:
+def file_bytes(path: str) -> Tuple[bytes, int]:
+    """The bytes of the local file ``path`` (see :func:`resolve_path`) without a leading byte-order mark.
+
+    Returns:
+        ``(data, offset)``: ``offset`` is 3 when a BOM was removed, else 0 (the file offset of ``data[0]``).
+
+    Raises:
+        DataError: no such file, a directory, or unreadable (permissions), naming the file.
+    """
+    resolved = resolve_path(path)
+    if not resolved.exists():
+        raise DataError(f"no such file (resolved to {resolved}; relative paths are resolved against the "
+                        f"directory the command runs from, {Path.cwd()})", file=path)
+    if resolved.is_dir():
+        raise DataError("is a directory; expected a file", file=path)
+    try:
+        data = resolved.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot be read ({exc.strerror or type(exc).__name__})", file=path) from None
+    return (data[len(BOM):], len(BOM)) if data.startswith(BOM) else (data, 0)
+
+
+def read_text(path: str) -> str:
+    """The text of a UTF-8 file: the one reader of every text file qwenft takes (data files, prompts files,
+    ``eval.ppl_sources``). A leading byte-order mark is removed; nothing else is changed.
+
+    Raises:
+        DataError: see :func:`file_bytes` and :func:`decode_utf8` (file, line and byte offset named).
+    """
+    data, offset = file_bytes(path)
+    return decode_utf8(data, path, offset=offset)
+
+
+def _jsonl(data: bytes, file: str, offset: int = 0) -> Iterator[Record]:
+    start = offset  # file offset of the current line, for the not-UTF-8 message
     for number, raw in enumerate(data.split(b"\n"), start=1):
+        line_start, start = start, start + len(raw) + 1
+        if raw.startswith(BOM):  # JSON Lines files concatenated with their byte-order marks
+            raw, line_start = raw[len(BOM):], line_start + len(BOM)
         if not raw.strip():
             continue
         try:
-            line = _decode(raw, file, number - 1)
+            line = decode_utf8(raw, file, offset=line_start, line=number)
             record = json.loads(line)
             if not isinstance(record, dict):
-                raise DataError(f"expected a JSON object, got {type(record).__name__}", file=file, row=number,
+                raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
                                 unit="line")
         except DataError as exc:
             yield number, exc
@@ -64,13 +116,13 @@ def _jsonl(data: bytes, file: str) -> Iterator[Record]:
         yield number, record
 
 
-def _json(data: bytes, file: str) -> Tuple[Iterator[Record], str]:
-    text = _decode(data, file)
+def _json(data: bytes, file: str, offset: int) -> Tuple[Iterator[Record], str]:
+    text = decode_utf8(data, file, offset=offset)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _jsonl(data, file), "line"  # JSON Lines saved under a .json name
+            return _jsonl(data, file, offset), "line"  # JSON Lines saved under a .json name
         raise DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=exc.lineno,
                         unit="line") from None
     if isinstance(value, dict):
@@ -81,8 +133,8 @@ def _json(data: bytes, file: str) -> Tuple[Iterator[Record], str]:
     return iter(enumerate(value, start=1)), "row"
 
 
-def _csv(data: bytes, file: str) -> Iterator[Record]:
-    reader = csv.DictReader(io.StringIO(_decode(data, file), newline=""))
+def _csv(data: bytes, file: str, offset: int) -> Iterator[Record]:
+    reader = csv.DictReader(io.StringIO(decode_utf8(data, file, offset=offset), newline=""))
     try:
         reader.fieldnames  # reads the header line
         line = reader.line_num
@@ -136,39 +188,46 @@ def records(source: DataSource) -> Tuple[Iterator[Record], str, str]:
         return _hub(source), "row", source.path
     path = resolve_path(source.path)
     file = str(source.path)
-    if not path.exists():
-        raise DataError(f"no such file (resolved to {path}; relative paths are resolved against the "
-                        f"directory the command runs from, {Path.cwd()})", file=file)
     if path.is_dir():
         raise DataError(f"is a directory; expected a file ending in {', '.join(FILE_SUFFIXES)}", file=file)
+    if not path.is_file():
+        file_bytes(file)  # raises: no such file
     suffix = path.suffix.lower()
     if suffix not in FILE_SUFFIXES:
         raise DataError(f"unsupported file type {suffix or '(none)'!r}; use {', '.join(FILE_SUFFIXES)}", file=file)
     if suffix == ".parquet":
         return _parquet(path, file), "row", file
-    data = path.read_bytes()
+    data, offset = file_bytes(file)
     if suffix == ".jsonl":
-        return _jsonl(data, file), "line", file
+        return _jsonl(data, file, offset), "line", file
     if suffix == ".csv":
-        return _csv(data, file), "line", file
-    iterator, unit = _json(data, file)
+        return _csv(data, file, offset), "line", file
+    iterator, unit = _json(data, file, offset)
     return iterator, unit, file
 
 
 def read_rows(source: DataSource, on_bad_row: str = "error") -> Tuple[List[dict], List[str], str]:
     """:func:`read_source` with more detail.
 
+    Every text of a record gets ``source.replace`` filled in first (``{{name}}`` -> its value).
+
     Returns:
         ``(rows, skipped, unit)``: the normalised rows, the messages of skipped bad rows (``on_bad_row=skip``)
         and how ``row`` counts (``line`` or ``row``).
+
+    Raises:
+        DataError: see :func:`read_source`; with ``on_bad_row=skip``, every row skipped (naming the first).
     """
     iterator, unit, file = records(source)
     rows: List[dict] = []
     skipped: List[str] = []
+    used: Set[str] = set()
     for number, record in iterator:
         try:
             if isinstance(record, DataError):
                 raise record
+            if source.replace:
+                record = fill(record, source.replace, used)
             messages, text, meta = normalise(record, source.format, source.columns)
         except DataError as exc:
             error = exc.located(file, number, unit)
@@ -179,6 +238,11 @@ def read_rows(source: DataSource, on_bad_row: str = "error") -> Tuple[List[dict]
         rows.append({"messages": messages, "text": text, "meta": meta, "source": source.name, "row": number})
         if source.max_rows is not None and len(rows) >= source.max_rows:
             break
+    if skipped and not rows:
+        raise DataError(f"all {len(skipped)} rows were skipped as bad (first: {skipped[0]})", file=source.name)
+    unused = [key for key in source.replace if key not in used]
+    if unused and rows:
+        log.warning("%s: replace: no row holds %s", source.name, ", ".join(f"{{{{{key}}}}}" for key in unused))
     return rows, skipped, unit
 
 

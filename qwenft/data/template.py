@@ -117,8 +117,11 @@ def segments(tokenizer, messages: Sequence[Dict[str, str]], train_on: str) -> Se
 def assemble(piece_ids: Sequence[Sequence[int]], flags: Sequence[bool], max_seq_len: int) -> Dict[str, object]:
     """Join tokenized pieces into ``input_ids`` / ``labels``, keeping the first ``max_seq_len`` tokens.
 
+    An example that only loses unsupervised tokens after its last supervised one (the template's ``"\\n"`` after
+    the final ``<|im_end|>``) fits: that tail is cut silently and ``overflow`` is 0, since no label is lost.
+
     Returns:
-        ``{"input_ids": [seq], "labels": [seq], "overflow": tokens cut (0 when it fits)}``.
+        ``{"input_ids": [seq], "labels": [seq], "overflow": tokens cut (0 when it fits or only lost that tail)}``.
     """
     input_ids: List[int] = []
     labels: List[int] = []
@@ -126,6 +129,9 @@ def assemble(piece_ids: Sequence[Sequence[int]], flags: Sequence[bool], max_seq_
         input_ids.extend(ids)
         labels.extend(ids if flag else [IGNORE_INDEX] * len(ids))
     overflow = max(0, len(input_ids) - max_seq_len)
+    if overflow and all(label == IGNORE_INDEX for label in labels[max_seq_len:]) and any(
+            label != IGNORE_INDEX for label in labels[:max_seq_len]):
+        overflow = 0  # only an unsupervised tail is cut: nothing the loss sees is lost
     return {"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len], "overflow": overflow}
 
 

@@ -3,7 +3,11 @@
 Tokens are characters for CJK text and lower-cased words for everything else (see :func:`tokens`), so
 character-level F1 and ROUGE-L are meaningful on Chinese answers without a segmenter. The widely used
 ``rouge_score`` package drops non-ASCII characters in its default tokenizer (a Chinese answer scores 0), which
-is why these few functions are written here.
+is why these few functions are written here; the tests check them against ``rouge_score`` given a CJK-aware
+tokenizer (ROUGE-L and ROUGE-1, which is the bag-of-tokens F1).
+
+A metric is None ("n/a") for a row it cannot score: ``exact_match_number`` when the reference states no final
+answer (see :func:`reference_number`), ``contains_fact`` when the row has no fact. Means leave such rows out.
 """
 
 from __future__ import annotations
@@ -14,9 +18,36 @@ from typing import Dict, List, Optional, Sequence
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _GSM8K_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af]")
-_WORD_OR_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af]|[^\W_]+",
-                          re.UNICODE)
+_ANSWER_MARKER = re.compile(r"(?:\\boxed\{|\banswer\s*(?:is|:)|答案\s*(?:是|为|：|:))\s*(-?\d[\d,]*(?:\.\d+)?)",
+                            re.IGNORECASE)
+_BARE_NUMBER = re.compile(r"\$?\s*(-?\d[\d,]*(?:\.\d+)?)\s*[.。]?")
+# Every CJK ideograph block Unicode defines (Unicode 17: Blocks.txt), whole blocks so that ideographs assigned
+# later inside them count too, plus the Han ideographs outside them: the iteration mark, zero and Hangzhou numerals
+# (U+3005-3007, U+3021-3029, U+3038-303A) and U+16FF2-16FF6. Kana and Hangul syllables are also one token each.
+IDEOGRAPH_RANGES = (
+    ("\u3400", "\u4dbf"),            # CJK Unified Ideographs Extension A
+    ("\u4e00", "\u9fff"),            # CJK Unified Ideographs (URO)
+    ("\uf900", "\ufaff"),            # CJK Compatibility Ideographs
+    ("\U00020000", "\U0002a6df"),    # Extension B
+    ("\U0002a700", "\U0002b73f"),    # Extension C
+    ("\U0002b740", "\U0002b81f"),    # Extension D
+    ("\U0002b820", "\U0002ceaf"),    # Extension E
+    ("\U0002ceb0", "\U0002ebef"),    # Extension F
+    ("\U0002ebf0", "\U0002ee5f"),    # Extension I
+    ("\U0002f800", "\U0002fa1f"),    # CJK Compatibility Ideographs Supplement
+    ("\U00030000", "\U0003134f"),    # Extension G
+    ("\U00031350", "\U000323af"),    # Extension H
+    ("\U000323b0", "\U0003347f"),    # Extension J
+    ("\u3005", "\u3007"),            # 々 〆 〇
+    ("\u3021", "\u3029"),            # Hangzhou numerals
+    ("\u3038", "\u303a"),            # Hangzhou numerals 10, 20, 30
+    ("\U00016ff2", "\U00016ff6"),    # Han ideographs in Ideographic Symbols and Punctuation (Unicode 17)
+)
+_OWN_TOKEN = "".join(f"{a}-{b}" for a, b in IDEOGRAPH_RANGES) + "\u3040-\u30ff\uac00-\ud7af"
+# One token: a character of _OWN_TOKEN; or a run of other letters and digits, where "." or "," between two
+# digits stays inside (26.5, 1,200, 3.0) so numbers stay whole. Punctuation and spaces separate tokens.
+_WORD = f"[^\\W_{_OWN_TOKEN}]"
+_TOKEN = re.compile(f"[{_OWN_TOKEN}]|{_WORD}+(?:(?<=\\d)[.,]\\d{_WORD}*)*")
 
 
 def _normalise_number(text: str) -> Optional[str]:
@@ -47,15 +78,38 @@ def final_number(text: str) -> Optional[str]:
     return _normalise_number(numbers[-1]) if numbers else None
 
 
-def exact_match_number(prediction: str, reference: str) -> float:
-    """1.0 when the final numbers of prediction and reference exist and are equal, else 0.0."""
-    ref = final_number(reference)
-    return float(ref is not None and final_number(prediction) == ref)
+def reference_number(reference: str) -> Optional[str]:
+    """The final answer a reference states as a number, or None when it states none.
+
+    A reference states one with a final-answer marker (GSM8K's ``#### N``; ``\\boxed{N}``, ``the answer is N``,
+    ``答案是 N`` / ``答案：N``) or by being a number alone (``42``, ``-3.5``, ``1,200.``); a free-text answer that
+    merely contains numbers (``Locker 1 uses code 1001.``) states none.
+    """
+    marked = _GSM8K_FINAL.findall(reference) or _ANSWER_MARKER.findall(reference)
+    if marked:
+        return _normalise_number(marked[-1])
+    bare = _BARE_NUMBER.fullmatch(reference.strip())
+    return _normalise_number(bare.group(1)) if bare else None
+
+
+def exact_match_number(prediction: str, reference: str) -> Optional[float]:
+    """1.0 when the prediction's final number (:func:`final_number`) equals the reference's final answer
+    (:func:`reference_number`), 0.0 when it does not, None (n/a) when the reference states no numeric answer."""
+    ref = reference_number(reference)
+    if ref is None:
+        return None
+    return float(final_number(prediction) == ref)
 
 
 def tokens(text: str) -> List[str]:
-    """CJK characters one by one, other text as lower-cased alphanumeric words (punctuation dropped)."""
-    return [t.lower() for t in _WORD_OR_CJK.findall(text)]
+    """The tokens ROUGE-L, char-F1 and distinct-n count: every CJK ideograph (any CJK block, see
+    :data:`IDEOGRAPH_RANGES`), kana and Hangul syllable on its own; other text as lower-cased runs of letters and
+    digits, a number with its decimal point or thousands separators whole; punctuation and spaces dropped.
+
+    >>> tokens("请用USB线连接, 温度设为26.5度")
+    ['请', '用', 'usb', '线', '连', '接', '温', '度', '设', '为', '26.5', '度']
+    """
+    return [t.lower() for t in _TOKEN.findall(text)]
 
 
 def char_f1(prediction: str, reference: str) -> float:
@@ -117,9 +171,10 @@ METRICS = {"exact_match_number": exact_match_number, "char_f1": char_f1, "rouge_
 ROW_METRICS = ("contains_fact",)  # computed from a row field rather than the reference answer
 
 
-def score(prediction: str, reference: str, names: Sequence[str], meta: Optional[dict] = None) -> Dict[str, float]:
+def score(prediction: str, reference: str, names: Sequence[str],
+          meta: Optional[dict] = None) -> Dict[str, Optional[float]]:
     """The per-row metrics ``names`` of one prediction: keys of :data:`METRICS` against the reference, and
-    ``contains_fact`` against ``meta["fact"]`` (None when the row has none)."""
+    ``contains_fact`` against ``meta["fact"]``; None where the row cannot be scored (see the module docstring)."""
     values: Dict[str, Optional[float]] = {}
     for name in names:
         if name == "contains_fact":

@@ -29,12 +29,16 @@ def _fmt(value: Any, signed: bool = False) -> str:
 
 
 def metric_table(by_side: Dict[str, Dict[str, float]]) -> List[str]:
-    """Markdown rows ``| metric | base | tuned | delta |`` for one source (missing sides left blank)."""
+    """Markdown rows ``| metric | base | tuned | delta |`` for one source (missing sides left blank).
+
+    A metric that is None on a side (no row could be scored) shows ``n/a`` there, and its delta is blank.
+    """
     sides = [s for s in SIDES if s in by_side]
     names = [k for k in next(iter(by_side.values())) if k != "rows"]
     lines = ["| metric | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
     for name in names:
-        cells = [_fmt(by_side[s].get(name), signed=s == "delta") for s in sides]
+        cells = ["n/a" if s != "delta" and name in by_side[s] and by_side[s][name] is None
+                 else _fmt(by_side[s].get(name), signed=s == "delta") for s in sides]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -62,7 +66,8 @@ def _plot_loss(train: Dict[str, Any], path: Path) -> Optional[Path]:
 
 def _plot_metrics(sources: Dict[str, Dict[str, Dict[str, float]]], metrics: List[str], path: Path) -> Optional[Path]:
     bars = [(f"{src}\n{m}", by.get("base", {}).get(m), by.get("tuned", {}).get(m))
-            for src, by in sources.items() for m in metrics if m in by.get("base", by.get("tuned", {}))]
+            for src, by in sources.items() for m in metrics
+            if any(by.get(side, {}).get(m) is not None for side in ("base", "tuned"))]  # n/a metrics: no bar
     if not bars:
         return None
     import matplotlib
@@ -98,16 +103,48 @@ def _save_figure(fig, path: Path) -> Path:
     return path
 
 
+def _json_file(path: Path) -> Dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def adapter_line(config: Config, adapter_dir: Path) -> str:
+    """The report's LoRA line, from what the run recorded beside the adapter, not from the live config.
+
+    LoRA settings come from PEFT's ``adapter_config.json`` (r, lora_alpha, target modules), the base and its
+    quantization from qwenft's ``qwenft.json``; ``config.lora`` / ``config.model`` / ``config.quant`` fill in
+    only what neither file holds (an adapter written by another tool).
+    """
+    peft = _json_file(adapter_dir / "adapter_config.json")
+    meta = _json_file(adapter_dir / "qwenft.json")
+    lora = meta.get("lora") if isinstance(meta.get("lora"), dict) else {}
+    r = peft.get("r", lora.get("r", config.lora.r))
+    alpha = peft.get("lora_alpha", lora.get("lora_alpha", config.lora.lora_alpha))
+    targets = peft.get("target_modules", lora.get("target_modules", config.lora.target_modules))
+    targets = ",".join(sorted(targets)) if isinstance(targets, (list, tuple)) else str(targets)
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    quant = meta.get("quant") if isinstance(meta.get("quant"), dict) else {}
+    base = model.get("name") or peft.get("base_model_name_or_path") or config.model.name
+    trained = f"; trained on `{base}`" + (f" with quant={quant['method']}" if quant.get("method") else "")
+    return f"- LoRA: r={r}, lora_alpha={alpha}, targets={targets}{trained}"
+
+
 def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path]) -> str:
-    """report.md as text: model, tables per source, perplexity, plots and side-by-side samples."""
+    """report.md as text: model, tables per source, perplexity, plots and side-by-side samples.
+
+    The model line is what this evaluation ran; the adapter's LoRA settings and the base and quantization it was
+    trained on are read from the adapter directory (:func:`adapter_line`).
+    """
     ev = metrics["eval"]
     tuned = config.adapter or metrics.get("train")  # an adapter was evaluated (given, or trained by this run)
     lines = [f"# qwenft report: {config.run_name}", "",
              f"- model: `{config.model.name}` ({config.model.source}, quant={config.quant.method})"]
     if tuned:
-        lines += [f"- adapter: `{config.adapter or (Path(config.out_dir) / 'adapter')}`",
-                  f"- LoRA: r={config.lora.r}, lora_alpha={config.lora.lora_alpha}, "
-                  f"targets={','.join(config.lora.target_modules)}"]
+        adapter_dir = Path(config.adapter).expanduser() if config.adapter else Path(config.out_dir) / "adapter"
+        lines += [f"- adapter: `{config.adapter or adapter_dir}`", adapter_line(config, adapter_dir)]
     else:
         lines += ["- adapter: none (the base model alone)"]
     lines += [f"- sampler for evaluation: preset `{config.eval.generate}`", ""]

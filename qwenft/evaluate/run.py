@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -76,16 +76,19 @@ def generation_eval(model, tokenizer, config: Config, rows: List[dict], settings
     return results
 
 
-def summarise(results: List[dict], metrics: List[str]) -> Dict[str, float]:
-    """Means of the per-row metrics, mean answer length (tokens), stop rate and distinct-2."""
+def summarise(results: List[dict], metrics: List[str]) -> Dict[str, Optional[float]]:
+    """Means of the per-row metrics, mean answer length (tokens), stop rate and distinct-2.
+
+    A row whose metric is None (n/a: no numeric reference answer, no fact) is left out of that metric's mean; a
+    metric no row could be scored on is None (null in metrics.json, "n/a" in report.md).
+    """
     if not results:
         return {}
     n = len(results)
-    summary = {}
+    summary: Dict[str, Optional[float]] = {}
     for name in metrics:
-        values = [r[name] for r in results if r[name] is not None]  # contains_fact skips rows without a fact
-        if values:
-            summary[name] = sum(values) / len(values)
+        values = [r[name] for r in results if r[name] is not None]
+        summary[name] = sum(values) / len(values) if values else None
     summary["answer_tokens"] = sum(r["tokens"] for r in results) / n
     summary["stop_rate"] = sum(r["stop_reason"] != "length" for r in results) / n  # ended by EOS / stop string
     summary["distinct_2"] = distinct_n([r["text"] for r in results], 2)
@@ -96,11 +99,12 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, float]:
 def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str, Any]]:
     """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers."""
     from qwenft.data import encode_example, encode_text, resolve_path
+    from qwenft.data.read import read_text
 
     out: Dict[str, Dict[str, Any]] = {}
     for source in config.eval.ppl_sources:
         path = resolve_path(source)
-        ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+        ids = tokenizer(read_text(source), add_special_tokens=False).input_ids  # the data files' reader: BOM removed
         ids = ids[:config.eval.ppl_max_tokens]
         result = perplexity_of_ids(model, [ids], window=config.eval.ppl_window, stride=config.eval.ppl_stride,
                                    batch_size=config.eval.batch_size, pad_id=tokenizer.pad_token_id, progress=True)
@@ -121,12 +125,20 @@ def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str
 
 
 def check_ppl_sources(config: Config) -> None:
-    """Fail before any model is loaded when an ``eval.ppl_sources`` file is missing."""
+    """Read every ``eval.ppl_sources`` file through the data files' reader, before any model is loaded.
+
+    Raises:
+        ConfigError: a missing file, or one that holds no text.
+        DataError: a file that is not UTF-8 (naming the file, line and byte offset), or unreadable.
+    """
     from qwenft.data import resolve_path
+    from qwenft.data.read import read_text
 
     for i, source in enumerate(config.eval.ppl_sources):
         if not resolve_path(source).is_file():
             raise ConfigError(f"eval.ppl_sources[{i}]={source!r}: no such file")
+        if not read_text(source).strip():
+            raise ConfigError(f"eval.ppl_sources[{i}]={source!r}: the file holds no text to score")
 
 
 def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict[str, Any]:
@@ -164,7 +176,8 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
     for name, by_side in report["sources"].items():
         if "base" in by_side and "tuned" in by_side:
             by_side["delta"] = {k: by_side["tuned"][k] - by_side["base"][k] for k in by_side["base"]
-                                if isinstance(by_side["base"][k], (int, float)) and k != "rows"}
+                                if k != "rows" and all(isinstance(by_side[s].get(k), (int, float))
+                                                       for s in ("base", "tuned"))}
     for name, by_side in report["perplexity"].items():
         if "base" in by_side and "tuned" in by_side:
             by_side["ratio"] = by_side["tuned"]["perplexity"] / by_side["base"]["perplexity"]
@@ -188,7 +201,8 @@ def eval_command(config: Config) -> None:
     from qwenft import data as data_lib
     from qwenft.adapter_base import inference_config
     from qwenft.evaluate.report import write_outputs
-    from qwenft.model import check_adapter_dir, load_adapter, load_model, read_adapter_meta
+    from qwenft.model import (check_adapter_dir, load_adapter, load_model, load_tokenizer, read_adapter_meta,
+                              resolve_model_dir)
 
     generate_preset(config)
     check_ppl_sources(config)
@@ -197,8 +211,11 @@ def eval_command(config: Config) -> None:
         config = inference_config(config)  # the base the adapter was trained on (its qwenft.json)
     if config.adapter and read_adapter_meta(config.adapter):
         log.info("adapter trained on %s", read_adapter_meta(config.adapter).get("model", {}).get("name"))
-    model, tokenizer = load_model(config)
+    # The data is read and checked with the tokenizer alone: bad data stops before the weights load.
+    tokenizer = load_tokenizer(resolve_model_dir(config.model),
+                               config.model.revision if config.model.source == "hub" else None)
     bundle = data_lib.build(config, tokenizer) if config.data.sources else None
+    model, tokenizer = load_model(config, tokenizer=tokenizer)
     sides = ["base"]
     if config.adapter:
         model = load_adapter(model, config.adapter)

@@ -45,6 +45,7 @@ from qwenft.export.card import model_card
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
 from qwenft.files import publish_mode, staging_dir
 from qwenft.model import MERGE_MARKER, read_adapter_meta
+from qwenft.runlock import pid_alive as _pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -113,25 +114,6 @@ def _already_done(out: Path, request: dict) -> bool:
     files = record.get("files", {})
     return bool(files) and all((out / name).is_file() and (out / name).stat().st_size == size
                                for name, size in files.items())
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs: a killed merge whose parent has not reaped it yet (a zombie) does not."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            # "pid (comm) state ...": comm may hold spaces or parentheses, the state follows the last ')'
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass  # no /proc (macOS): ask the kernel
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_stale(out: Path) -> None:

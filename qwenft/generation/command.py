@@ -37,25 +37,28 @@ def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
         with a ``prompt`` or ``messages`` field.
 
     Raises:
-        QwenftError: a missing or empty file, or a bad line; the message names the file, the line and the field.
+        QwenftError: a missing or empty file, a file that is not UTF-8 (file, line and byte offset named, as for
+            data files), or a bad line; the message names the file, the line and the field.
     """
+    from qwenft.data.read import read_text
+
     file = Path(path).expanduser()
     if not file.is_file():
         raise QwenftError(f"prompts_file={path!r}: no such file")
     rows = []
-    with open(file, encoding="utf-8-sig") as handle:  # a byte-order mark (some Windows editors) is not content
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise QwenftError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field")
-            _check_row(row, where)
-            rows.append((number, row))
+    text = read_text(str(file))  # the data files' reader: a byte-order mark removed, UTF-8 checked
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QwenftError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field")
+        _check_row(row, where)
+        rows.append((number, row))
     if not rows:
         raise QwenftError(f"prompts_file={path!r}: the file has no prompts")
     return rows

@@ -14,7 +14,7 @@ from typing import Any, Dict
 from qwenft.config import Config
 from qwenft.files import atomic_write_text
 from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
-from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, weight_bytes
+from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, training_weight_bytes, weight_bytes
 
 GIB = 1 << 30
 SEQ_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -101,12 +101,13 @@ def make_plan(config: Config) -> Dict[str, Any]:
             "bf16": weight_bytes(arch, False, False, 2),
             "nf4": weight_bytes(arch, True, config.quant.double_quant, 2),
             "loaded": loaded,
-            "training": weight_bytes(arch, nf4, setup.double_quant, 4 if nf4 else setup.model_bytes),
+            "training": training_weight_bytes(arch, setup),
         },
         "lora": {"r": config.lora.r, "target_modules": list(config.lora.target_modules), "trainable": n_lora,
                  "percent_of_base": 100.0 * n_lora / counts["total"]},
         "training": {"device": setup.device, "quant": config.quant.method, "autocast": setup.amp,
-                     "optimizer": setup.optim, "attn_implementation": setup.attn, "batch_size": batch,
+                     "optimizer": setup.optim, "kernels": setup.kernels, "attn_implementation": setup.attn,
+                     "batch_size": batch,
                      "supervised_fraction": setup.supervised,
                      "seq_len": seq, "tokens": batch * seq,
                      "gradient_checkpointing": setup.gradient_checkpointing, **runs},
@@ -164,14 +165,15 @@ def render(plan: Dict[str, Any], console=None) -> None:
     console.print(f"LoRA r={lora['r']} on {', '.join(lora['target_modules'])}: {lora['trainable']:,} trainable "
                   f"parameters ({lora['percent_of_base']:.3f}% of the base)")
     table = Table(title=f"Training step on {t['device']}: batch {t['batch_size']} x {t['seq_len']} tokens, "
-                        f"quant={t['quant']}, autocast={'bf16' if t['autocast'] else 'off'}, {t['optimizer']}")
+                        f"quant={t['quant']}, autocast={'bf16' if t['autocast'] else 'off'}, {t['optimizer']}, "
+                        f"kernels={t['kernels']}")
     table.add_column("")
     for name in ("with_checkpointing", "without_checkpointing"):
         mark = " (config)" if (name == "with_checkpointing") == t["gradient_checkpointing"] else ""
         table.add_column(name.replace("_", " ") + mark, justify="right")
     labels = [("weights", "weights"), ("LoRA weights (fp32)", "lora_weights"), ("gradients", "gradients"),
               ("optimizer states", "optimizer_states"), ("activations held at the loss", "held_at_loss"),
-              ("logits + loss (fp32)", "logits"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
+              ("loss (chunked, no logits tensor)", "loss"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
     for label, key in labels:
         table.add_row(label, *(_size(t[name][key]) for name in ("with_checkpointing", "without_checkpointing")))
     console.print(table)

@@ -11,10 +11,12 @@ stack drive most terms:
 - peft keeps LoRA weights in fp32 (``autocast_adapter_dtype=True``) and casts a layer's input to that dtype
   before dropout; bitsandbytes' ``Linear4bit`` casts its output back to its input's dtype and its autograd
   function saves only the packed weight (bitsandbytes/autograd/_functions.py, ``MatMul4Bit``).
-- the loss upcasts the logits to fp32 (transformers loss/loss_utils.py ``ForCausalLMLoss``; qwenft's trainer,
-  ``QwenftTrainer.compute_loss``, projects only the supervised positions); in backward the fp32 log-softmax
-  output, its gradient and the logits' gradient are alive at once: ``12 * rows * vocab`` bytes, ``rows`` the
-  tokens projected (all of them in transformers' loss; ``plan.supervised_fraction`` of them in qwenft's).
+- qwenft's loss (``QwenftTrainer.compute_loss``, :mod:`qwenft.loss`) projects only the
+  supervised positions onto the vocabulary (``rows``: ``plan.supervised_fraction`` of the tokens), a chunk at a
+  time, computing the hidden-state gradient as it goes: no ``[rows, vocab]`` logits tensor exists. The loss holds
+  one chunk's logits (fp32, plus their 16-bit copy under autocast; Liger: one chunk in the compute dtype), the
+  gathered hidden states, a 16-bit copy of an fp32 lm_head under autocast, and keeps the ``[rows, hidden]``
+  gradient for backward.
 
 The per-layer formula is checked against the bytes autograd really saves on the tiny model (tests/test_plan.py)
 and the whole peak against a measured CPU step (benchmarks/plan_accuracy.py).
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from qwenft.config import Config, LoraConfig
 from qwenft.plan.arch import Architecture, parameter_counts, projection_shapes
@@ -46,7 +48,8 @@ class TrainSetup:
     a dtype ``auto`` is bfloat16 where bf16 is native, else float32. A CUDA device is assumed to have native
     bf16 (Ampere or newer); for a CPU the machine running the plan is asked (``qwenft.model.native_bf16``).
     ``optim``: the optimizer, ``auto`` resolved to ``paged_adamw_8bit`` on CUDA and ``adamw_torch`` on a CPU.
-    ``supervised``: the share of tokens projected onto the vocabulary by the loss.
+    ``supervised``: the share of tokens projected onto the vocabulary by the loss. ``kernels``: ``train.kernels``
+    resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
     """
 
     device: str
@@ -61,6 +64,7 @@ class TrainSetup:
     optim: str
     grad_accum: int = 1
     supervised: float = 1.0
+    kernels: str = "none"
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
@@ -84,11 +88,16 @@ class TrainSetup:
         optim = config.train.optim
         if optim == "auto":
             optim = "paged_adamw_8bit" if device == "cuda" else "adamw_torch"
+        from qwenft.kernels import liger_installed
+
+        kernels = config.train.kernels
+        if kernels == "auto":
+            kernels = "liger" if device == "cuda" and liger_installed() else "none"
         return cls(device=device, nf4=nf4, double_quant=config.quant.double_quant,
                    model_bytes=DTYPE_BYTES[model_dtype], compute_bytes=DTYPE_BYTES[compute],
                    amp=precision in ("bf16", "fp16"), attn=config.model.attn_implementation, lora=config.lora,
                    gradient_checkpointing=config.train.gradient_checkpointing, optim=optim,
-                   grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction)
+                   grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels)
 
 
 def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKSIZE) -> int:
@@ -105,13 +114,15 @@ def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKS
     return math.ceil(numel / 2) + scales
 
 
-def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes: int) -> Dict[str, int]:
+def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes: int,
+                 head_bytes: Optional[int] = None) -> Dict[str, int]:
     """Weight bytes by component (the keys of :func:`parameter_counts`), and ``total``.
 
     With ``nf4`` the seven projections of every layer are NF4 (:func:`nf4_bytes`); embeddings, lm_head, norms
     and biases stay dense at ``dense_bytes`` each (bitsandbytes quantizes only ``nn.Linear`` layers and
     transformers keeps the output embedding out). Pass 2 for the weights as loaded in 16-bit, 4 for the weights
-    during QLoRA training (``prepare_model_for_kbit_training`` casts the dense ones to fp32).
+    during QLoRA training (``prepare_model_for_kbit_training`` casts the dense ones to fp32). ``head_bytes``: an
+    untied lm_head's bytes when they differ (:func:`training_weight_bytes`).
     """
     counts = parameter_counts(arch)
     L, shapes = arch.num_hidden_layers, projection_shapes(arch)
@@ -124,8 +135,25 @@ def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes:
             out[group] = dense_bytes * counts[group]
     for name in ("embeddings", "lm_head", "attention_bias", "norms"):
         out[name] = dense_bytes * counts[name]
+    if head_bytes is not None:
+        out["lm_head"] = head_bytes * counts["lm_head"]
     out["total"] = sum(out.values())
     return out
+
+
+def head_bytes_training(arch: Architecture, setup: "TrainSetup") -> int:
+    """Bytes per lm_head weight during training: an untied lm_head is kept in the 16-bit autocast dtype under
+    autocast (``qwenft.train.make_trainer``: the projection runs in it anyway), else it has the other dense weights'
+    dtype (fp32 after k-bit preparation, ``model.dtype`` for a 16-bit base)."""
+    if setup.amp and not arch.tie_word_embeddings:
+        return 2
+    return 4 if setup.nf4 else setup.model_bytes
+
+
+def training_weight_bytes(arch: Architecture, setup: "TrainSetup") -> Dict[str, int]:
+    """Weight bytes by component during training (:func:`weight_bytes` with the training dtypes)."""
+    return weight_bytes(arch, setup.nf4, setup.double_quant, 4 if setup.nf4 else setup.model_bytes,
+                        head_bytes_training(arch, setup))
 
 
 def kv_cache_bytes(arch: Architecture, tokens: int, bytes_per_value: int = 2) -> int:
@@ -175,14 +203,23 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
     (transformers ``use_gqa_in_sdpa``); eager attention also saves the ``[heads, seq, seq]`` probabilities. Each
     LoRA target with input width ``d`` saves the dropout mask (bool on CUDA, fp32 on a CPU), the input of A
     (bf16 under autocast, else fp32) and the input of B (``r`` values). Under autocast the bf16 copies of the fp32
-    LoRA weights and of an fp32 lm_head are saved too. The first layer saves less when the embedding output does
-    not require grad (NF4 with non-reentrant checkpointing, or no checkpointing).
+    LoRA weights are saved too. The first layer saves less when the embedding output does not require grad (NF4
+    with non-reentrant checkpointing, or no checkpointing). With ``kernels=liger`` the MLP saves the gate and up
+    outputs only (``LigerSiLUMulFunction`` recomputes the SiLU), ``2 * I * p``.
+
+    The loss (``rows`` = ``plan.supervised_fraction`` of the ``batch * (seq - 1)`` predicted positions) saves the
+    supervised-position mask (bool) and the ``[rows, H]`` hidden-state gradient in the projection dtype ``c``
+    (bf16 under autocast); while it runs it also holds the gathered hidden states and their ``c`` copy, a ``c``
+    copy of an fp32 lm_head, and one chunk's logits: ``chunk * V * (4 + c)`` bytes (fp32 logits, softmax in place,
+    plus the 16-bit product or gradient when ``c`` is 2; ``chunk`` from :func:`qwenft.kernels.chunk_tokens`), or
+    with Liger ``chunk * V * c`` (``qwenft.kernels.liger_chunk_tokens``).
 
     Returns:
         ``per_token_layer`` (bytes per token per layer), ``layers`` (all layers, batch x seq),
-        ``layer_constants`` (bytes per layer independent of tokens), ``final`` (final norm, RoPE tables,
-        labels), ``lm_head_copy``, ``checkpoints`` (layer inputs kept with gradient checkpointing),
-        ``logits_peak`` (fp32 logits terms of the loss), ``backward_transient`` and ``dequant_transient``.
+        ``layer_constants`` (bytes per layer independent of tokens), ``final`` (final norm, RoPE tables, the
+        loss's position mask), ``loss_saved`` (the hidden-state gradient), ``loss_transient`` (alive only while the
+        loss runs: gathered hidden states, one chunk's logits, the lm_head copy), ``checkpoints`` (layer inputs kept
+        with gradient checkpointing), ``backward_transient`` and ``dequant_transient``.
     """
     H, I, L, V = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers, arch.vocab_size
     n = batch * seq
@@ -214,7 +251,8 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
         kv_saved = arch.q_dim if padded and setup.attn == "sdpa" else arch.kv_dim
         attention = attn_b * (2 * arch.q_dim + 2 * kv_saved) + 4 * arch.num_attention_heads
         attention += attn_b * seq if padded and setup.attn == "sdpa" else 0
-    per_token = (2 * (4 * H + 4) + attention + 3 * I * proj_b
+    mlp_saved = (2 if setup.kernels == "liger" else 3) * I * proj_b
+    per_token = (2 * (4 * H + 4) + attention + mlp_saved
                  + lora(("q_proj", "k_proj", "v_proj"), H, res_b)
                  + lora(("o_proj",), arch.q_dim, attn_b, shared_elsewhere=setup.attn != "eager")
                  + lora(("gate_proj", "up_proj"), H, res_b) + lora(("down_proj",), I, proj_b))
@@ -233,16 +271,27 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
         if setup.amp:
             first_saving += sum(2 * r * H + (2 * H * shapes[name][1] if not setup.nf4 and setup.model_bytes != 2
                                              else 0) for name in qkv)
-    head_b = 4 if setup.nf4 else setup.model_bytes
+    head_b = head_bytes_training(arch, setup)
+    rows = math.ceil(setup.supervised * batch * (seq - 1))
+    loss_b = 2 if setup.amp else res_b  # the projection's dtype: autocast's, else the final norm's output dtype
+    if setup.kernels == "liger":
+        from qwenft.kernels import liger_chunk_tokens
+
+        chunk_logits = liger_chunk_tokens(rows, V, H) * V * loss_b
+    else:
+        from qwenft.kernels import chunk_tokens
+
+        chunk_logits = min(rows, chunk_tokens(V)) * V * (4 + (loss_b if loss_b != 4 else 0))
+    gathered = rows * H * (res_b + (loss_b if loss_b != res_b else 0))
     return {
         "per_token_layer": per_token,
         "layers": n * L * per_token - first_saving,
         "layer_constants": constants,
-        # final norm, RoPE cos/sin (shared by the layers) and the int64 shifted labels of the loss
-        "final": n * (4 * H + 4) + 2 * seq * arch.head_dim * res_b + 8 * batch * (seq + 1),
-        "lm_head_copy": 2 * V * H if setup.amp and head_b != 2 else 0,
+        # final norm, RoPE cos/sin (shared by the layers) and the loss's bool mask of supervised positions
+        "final": n * (4 * H + 4) + 2 * seq * arch.head_dim * res_b + batch * (seq - 1),
+        "loss_saved": rows * H * loss_b,
+        "loss_transient": gathered + chunk_logits + (2 * V * H if setup.amp and head_b != 2 else 0),
         "checkpoints": n * L * res_b * H,
-        "logits_peak": 12 * math.ceil(setup.supervised * n) * V,
         "backward_transient": n * (2 * res_b * H + 3 * proj_b * I),
         "dequant_transient": setup.compute_bytes * max(a * b for a, b in shapes.values()) if setup.nf4 else 0,
     }
@@ -255,39 +304,42 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     ``peak = static + max(loss phase, layer-backward phase, optimizer step)``, where static is the weights during
     training plus the fp32 LoRA weights (plus the optimizer states from the second step on, ``steady=True``, and
     the gradients when ``grad_accum > 1``). The loss phase holds every saved activation (or, with gradient
-    checkpointing, every layer input) plus ``12 * rows * vocab`` bytes of fp32 logits terms; the layer phase
+    checkpointing, every layer input) plus the loss's own bytes (``loss_saved + loss_transient`` of
+    :func:`activation_terms`: no logits tensor, one chunk at a time); the layer phase
     holds one layer's activations being recomputed (checkpointing), the gradient temporaries, a dequantized
     NF4 weight and the LoRA gradients so far; the step holds gradients, states and the step's temporaries.
 
     Returns:
         ``weights``, ``lora_weights``, ``gradients``, ``optimizer_states``, ``saved_activations`` (everything
         autograd saves without checkpointing), ``held_at_loss`` (activations alive when the loss runs: all of
-        them, or the layer checkpoints), ``logits``, ``loss_phase``, ``layer_phase``, ``step_phase``, ``peak``.
+        them, or the layer checkpoints), ``loss`` (the loss's own bytes), ``loss_phase``, ``layer_phase``,
+        ``step_phase``, ``peak``.
     """
     from qwenft.plan.arch import lora_parameter_count
 
     terms = activation_terms(arch, setup, batch, seq)
     L = arch.num_hidden_layers
-    weights = weight_bytes(arch, setup.nf4, setup.double_quant, 4 if setup.nf4 else setup.model_bytes)["total"]
+    weights = training_weight_bytes(arch, setup)["total"]
     n_lora = lora_parameter_count(arch, setup.lora)
     lora_w, grads = 4 * n_lora, 4 * n_lora
     optim = optimizer_bytes(arch, setup)
     consts = L * terms["layer_constants"]
-    shared = terms["final"] + terms["lm_head_copy"]
+    shared = terms["final"]
+    loss = terms["loss_saved"] + terms["loss_transient"]
     transient = terms["backward_transient"] + terms["dequant_transient"]
     one_layer = batch * seq * terms["per_token_layer"] + terms["layer_constants"]
     if setup.gradient_checkpointing:
-        loss_phase = terms["checkpoints"] + shared + terms["logits_peak"]
+        loss_phase = terms["checkpoints"] + shared + loss
         ckpt, per_ckpt = terms["checkpoints"], terms["checkpoints"] // L
         layer_phase = shared + one_layer + transient + max(ckpt + grads // L, per_ckpt + grads)
     else:
-        loss_phase = terms["layers"] + consts + shared + terms["logits_peak"]
+        loss_phase = terms["layers"] + consts + shared + loss
         layer_phase = terms["layers"] + consts + shared + transient + grads // L
     held = (optim["states"] if steady else 0) + (grads if setup.grad_accum > 1 else 0)
     step_phase = grads + optim["states"] + optim["step"]
     static = weights + lora_w
     peak = static + max(held + max(loss_phase, layer_phase), step_phase)
     return {"weights": weights, "lora_weights": lora_w, "gradients": grads, "optimizer_states": optim["states"],
-            "saved_activations": terms["layers"] + consts + terms["final"] + terms["lm_head_copy"],
-            "held_at_loss": loss_phase - terms["logits_peak"], "logits": terms["logits_peak"],
+            "saved_activations": terms["layers"] + consts + terms["final"] + terms["loss_saved"],
+            "held_at_loss": loss_phase - loss, "loss": loss,
             "loss_phase": loss_phase, "layer_phase": layer_phase, "step_phase": step_phase, "peak": peak}

@@ -1,0 +1,105 @@
+"""Checks on one source's rows between reading and the eval split, and the ``replace`` fill of placeholders.
+
+- :func:`fill`: ``data.sources[].replace={name: ...}`` writes a value for every ``{{name}}`` in a record's text.
+- :func:`skipped_lines`: what ``data.on_bad_row=skip`` dropped (a count, the first rows, "... and N more").
+- :func:`placeholder_warning`: answers that still hold ``{{name}}`` (public "identity" files ship this way,
+  meant to be filled before training).
+- :func:`eval_share_warning`: ``eval_rows`` holding out more than a third of a source.
+
+The warnings are one line each; the caller logs them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Sequence, Set
+
+from qwenft.config import DataSource
+
+# {{name}} or {{ name }}: an identifier only, so template code such as Go's {{.Name}} or Jinja's
+# {{ user.name }} in a code answer is not taken for a placeholder.
+PLACEHOLDER = re.compile(r"\{\{\s*([^\W\d]\w*)\s*\}\}")
+LISTED_SKIPS = 3  # skipped rows named one by one; the rest are counted
+MAX_EVAL_SHARE = 1 / 3
+
+
+def fill(value: Any, mapping: Dict[str, str], used: Optional[Set[str]] = None) -> Any:
+    """``value`` (a record: dicts, lists, text) with each ``{{key}}`` of ``mapping`` replaced in every text.
+
+    Placeholders whose name is not in ``mapping`` stay as they are. ``used`` collects the keys replaced.
+    """
+    if isinstance(value, str):
+        def sub(match: "re.Match[str]") -> str:
+            name = match.group(1)
+            if name not in mapping:
+                return match.group(0)
+            if used is not None:
+                used.add(name)
+            return mapping[name]
+
+        return PLACEHOLDER.sub(sub, value) if "{{" in value else value
+    if isinstance(value, dict):
+        return {key: fill(item, mapping, used) for key, item in value.items()}
+    if isinstance(value, list):
+        return [fill(item, mapping, used) for item in value]
+    return value
+
+
+def skipped_lines(name: str, skipped: Sequence[str], total: int) -> List[str]:
+    """Log lines for the rows ``data.on_bad_row=skip`` dropped from source ``name`` (``total`` rows read).
+
+    Returns:
+        ``[]`` when none was skipped; else a count line, the first :data:`LISTED_SKIPS` messages, and
+        ``... and N more`` when there are more.
+    """
+    if not skipped:
+        return []
+    lines = [f"{name}: {len(skipped)} of {total} rows were skipped as bad (data.on_bad_row=skip)"]
+    lines += [f"  skipped: {message}" for message in skipped[:LISTED_SKIPS]]
+    if len(skipped) > LISTED_SKIPS:
+        lines.append(f"  ... and {len(skipped) - LISTED_SKIPS} more")
+    return lines
+
+
+def _texts(row: dict, answers_only: bool) -> List[str]:
+    if row["text"] is not None:
+        return [row["text"]]
+    return [m["content"] for m in row["messages"] if not answers_only or m["role"] == "assistant"]
+
+
+def placeholder_warning(rows: Sequence[dict], source: DataSource, index: int) -> Optional[str]:
+    """A warning when answers of ``rows`` hold unfilled ``{{name}}`` placeholders, else None.
+
+    Args:
+        rows: the source's normalised rows (see :func:`qwenft.data.read_source`).
+        source: its config entry (for its name).
+        index: its position in ``data.sources`` (for the ``data.sources.N.replace`` to suggest).
+
+    Returns:
+        e.g. ``domain: 4 of 4 answers contain unfilled placeholders ({{name}}, {{author}}); ...``.
+    """
+    answers = [text for row in rows for text in _texts(row, answers_only=True)]
+    names: Dict[str, None] = {}
+    holding = 0
+    for text in answers:
+        found = PLACEHOLDER.findall(text) if "{{" in text else []
+        holding += bool(found)
+        names.update(dict.fromkeys(found))
+    if not holding:
+        return None
+    shown = list(names)[:5]
+    listed = ", ".join(f"{{{{{n}}}}}" for n in shown) + (", ..." if len(names) > len(shown) else "")
+    fills = ", ".join(f"{n}: ..." for n in shown)
+    return (f"{source.name}: {holding} of {len(answers)} answers contain unfilled placeholders ({listed}); the model "
+            f"would learn them as written: fill them with 'data.sources.{index}.replace={{{fills}}}' or edit the "
+            "file")
+
+
+def eval_share_warning(source: DataSource, index: int, n_rows: int) -> Optional[str]:
+    """A warning when ``source.eval_rows`` holds out more than a third of its ``n_rows`` usable rows (a training
+    source only: an evaluation-only source, weight 0, is held out entirely on purpose), else None."""
+    held = source.eval_rows
+    if source.weight <= 0 or not n_rows or held <= n_rows * MAX_EVAL_SHARE or held > n_rows:
+        return None
+    return (f"{source.name}: eval_rows={held} holds out {held} of its {n_rows} rows ({held / n_rows:.0%}); only "
+            f"{n_rows - held} are trained on. Set data.sources.{index}.eval_rows=N for a smaller share")

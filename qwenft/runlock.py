@@ -1,0 +1,189 @@
+"""One process per run directory: default run directories unique per process, and a lock held for the whole command.
+
+- :func:`run_stamp` names the default run directory (``outputs/<run_name>/<stamp>``, ``${qwenft_run_id:}`` in
+  conf/config.yaml): the start time plus this process's id, or the W&B run id under a sweep agent, so two
+  launches in the same second never share a directory. It is fixed once per command (the CLI composes the config
+  twice; both get the same name); under torchrun rank 0's is broadcast (:func:`qwenft.dist.launch_overrides`).
+- :class:`RunLock` is an OS file lock (the ``filelock`` package, ``flock``) on ``<dir>/.qwenft.lock`` for
+  ``train`` and ``eval`` (``merge``: ``.<DIR>.qwenft.lock`` beside its ``out=DIR``, which appears only when
+  verified), taken by the CLI before anything is written and held until the command ends. The holder's process
+  id is in ``.qwenft.lock.pid`` beside the lock while it holds it. The kernel drops the lock when its holder
+  dies, however it dies, so a lock left by a killed run never blocks the next one. The empty lock file stays (two
+  processes could otherwise lock two files of one name), except in a folder the lock made that stayed unused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from qwenft.config import Config, QwenftError
+from qwenft.files import atomic_write_text, file_in_the_way
+
+LOCK_NAME = ".qwenft.lock"
+PID_NAME = ".qwenft.lock.pid"
+LOCK_FILES = (LOCK_NAME, PID_NAME)  # what the lock puts in a run directory
+HOLDER_WAIT_S = 2.0  # how long a refused process waits for the holder to record its process id
+
+_stamp: Optional[str] = None
+
+
+class RunLocked(QwenftError):
+    """Another live process holds the lock of the run directory (the message names the directory and its pid)."""
+
+
+def run_tag() -> str:
+    """This process's suffix of a default run directory: ``WANDB_RUN_ID`` under a W&B sweep agent (which sets it
+    together with ``WANDB_SWEEP_ID``), else the process id."""
+    if os.environ.get("WANDB_SWEEP_ID"):
+        tag = re.sub(r"[^A-Za-z0-9_-]", "", os.environ.get("WANDB_RUN_ID", ""))[:32]
+        if tag:
+            return tag
+    return str(os.getpid())
+
+
+def run_stamp() -> str:
+    """``YYYY-mm-dd_HH-MM-SS_<tag>`` (local time, :func:`run_tag`), the same for every call until
+    :func:`new_run_stamp`; the ``${qwenft_run_id:}`` resolver."""
+    global _stamp
+    if _stamp is None:
+        _stamp = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{run_tag()}"
+    return _stamp
+
+
+def new_run_stamp() -> str:
+    """Start a new stamp (the CLI calls this once per command, so two commands in one process get two)."""
+    global _stamp
+    _stamp = None
+    return run_stamp()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a killed process whose parent has not reaped it yet (a zombie) does not."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            # "pid (comm) state ...": comm may hold spaces or parentheses, the state follows the last ')'
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no /proc (macOS): ask the kernel
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """The lock of one run directory, for one process (not re-entrant: a second acquire in the same process is
+    refused like any other process).
+
+    Args:
+        directory: The run directory (``out_dir``, or merge's ``out``) named in messages.
+        key: The setting that chose it, for the message (``out_dir`` or ``out``).
+        beside: Put the lock beside ``directory`` (``.<name>.qwenft.lock`` in its parent) instead of inside it.
+    """
+
+    def __init__(self, directory, key: str = "out_dir", beside: bool = False):
+        self.directory = Path(directory).expanduser().resolve()
+        self.key = key
+        folder = self.directory.parent if beside else self.directory
+        prefix = f".{self.directory.name}" if beside else ""
+        self.path = folder / f"{prefix}{LOCK_NAME}"
+        self.pid_path = folder / f"{prefix}{PID_NAME}"
+        self._lock = None
+        self._created: List[Path] = []  # folders the lock made, deepest first (removed again when left unused)
+
+    def holder(self) -> Optional[int]:
+        """The process id recorded by the holder, when that process is alive; None when unknown."""
+        try:
+            pid = int(self.pid_path.read_text(encoding="ascii").strip())
+        except (OSError, ValueError):
+            return None
+        return pid if pid_alive(pid) else None
+
+    def acquire(self) -> "RunLock":
+        """Take the lock without waiting for it (the folder is created when missing) and record this process's id.
+
+        Raises:
+            RunLocked: a live process holds it: one line naming the directory and that process's id.
+            QwenftError: the lock file cannot be created (e.g. no permission), naming it.
+        """
+        from filelock import FileLock, Timeout  # here: 45 ms to import, which --help and plan need not pay
+
+        folder = self.path.parent
+        self._created = [p for p in (folder, *folder.parents) if not p.exists()]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(self.path), timeout=0)
+            deadline = time.monotonic() + HOLDER_WAIT_S
+            while True:
+                try:
+                    lock.acquire(timeout=0)
+                    break
+                except Timeout:
+                    pid = self.holder()  # None: the holder has not written it yet, or has just let go: try again
+                    if pid is not None or time.monotonic() > deadline:  # (what it created is the holder's now)
+                        who = f"process {pid}" if pid is not None else "another process"
+                        raise RunLocked(f"{self.key}={self.directory} is in use by {who} (it holds {self.path}); "
+                                        f"wait for it to end or choose another {self.key}") from None
+                    time.sleep(0.05)
+        except OSError as exc:
+            raise QwenftError(f"{self.key}={self.directory}: cannot lock {self.path}: {exc.strerror or exc}") from None
+        self._lock = lock
+        try:
+            atomic_write_text(self.pid_path, f"{os.getpid()}\n")
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        """Let the lock go; removes the pid file, and the folders :meth:`acquire` created if nothing else was put
+        in them (a run refused before it wrote anything leaves no directory). Idempotent."""
+        if self._lock is None:
+            return
+        try:
+            self.pid_path.unlink(missing_ok=True)
+            for folder in self._created:  # before letting go: whoever finds the folder gone afterwards makes its own
+                try:
+                    if folder == self.path.parent and {p.name for p in folder.iterdir()} <= {self.path.name}:
+                        self.path.unlink(missing_ok=True)
+                    folder.rmdir()
+                except OSError:  # gone already, or something else is in it: kept
+                    pass
+        finally:
+            self._lock.release()
+            self._lock = None
+
+
+def lock_run_dirs(command: str, configs: Sequence[Config], run_dir_commands: Sequence[str]) -> List[RunLock]:
+    """Lock what ``command`` writes: ``out_dir`` for ``run_dir_commands`` (with ``-m``: the grid's folder), the
+    folder beside ``out=`` for merge. Under torchrun / accelerate launch only rank 0 locks (its ``out_dir`` is
+    the one broadcast to the other ranks, which must not refuse each other).
+
+    Raises:
+        RunLocked: another live process holds one (nothing stays locked).
+    """
+    paths: List[RunLock] = []
+    if os.environ.get("RANK", "0") != "0":
+        return paths
+    if command in run_dir_commands:
+        paths = [RunLock(d) for d in dict.fromkeys(str(Path(c.out_dir).expanduser().resolve()) for c in configs)]
+    elif command == "merge" and configs[0].out and file_in_the_way(Path(configs[0].out).expanduser().parent) is None:
+        paths = [RunLock(configs[0].out, key="out", beside=True)]  # (a file in the way: merge names it)
+    taken: List[RunLock] = []
+    try:
+        for lock in paths:
+            taken.append(lock.acquire())
+    except BaseException:
+        for lock in taken:
+            lock.release()
+        raise
+    return taken
