@@ -25,6 +25,23 @@ def compose_config(*overrides: str, command: str = "train"):
     return validate(command, list(overrides))[0]
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """Remove the log handlers a test left behind: an in-process ``qwenft.cli.main`` lets Hydra configure logging
+    with a handler on that test's captured stderr, which pytest closes afterwards; a later test's log line would
+    then write to a closed file (a "Logging error" on stderr, and once a crash of the whole run)."""
+    import logging
+
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
+    before = {logger.name: list(logger.handlers) for logger in loggers}
+    yield
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if handler not in before[logger.name] and not type(handler).__module__.startswith("_pytest"):
+                logger.removeHandler(handler)
+                handler.close()
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     """A validated config for the tiny-random model, with its own run directory."""
