@@ -3,7 +3,7 @@
 Each case runs in a fresh child process: record the resident memory (RSS) after the imports, load the model with
 ``qwenft.model.load_model`` (tokenizer dropped afterwards: the plan counts model memory only), attach LoRA with
 ``qwenft.model.attach_lora``, then run one training step the way qwenft's Trainer does (its loss,
-``qwenft.loss.supervised_loss_sum``, under the run's autocast with an untied lm_head in the autocast dtype; backward,
+``qwenft.train.loss.supervised_loss_sum``, under the run's autocast with an untied lm_head in the autocast dtype; backward,
 gradient clipping, AdamW step, ``zero_grad(set_to_none=True)``). The child reports the RSS
 increase after loading (the static part) and the peak RSS increase during the step (``VmHWM``, reset just before
 the step through ``/proc/self/clear_refs``). The parent compares both with the plan's first-step prediction
@@ -140,8 +140,8 @@ def _step(model, cuda: bool, config, batch: int, seq: int) -> float:
     mask = torch.ones_like(ids)
     if batch > 1:
         mask[-1, -3:] = 0  # a padded row, as the collator makes: the plan assumes a mask reaches attention
-    from qwenft.loss import supervised_loss_sum
-    from qwenft.train import head_to_autocast_dtype
+    from qwenft.train.loss import supervised_loss_sum
+    from qwenft.train.trainer import head_to_autocast_dtype
 
     if amp:
         head_to_autocast_dtype(model, torch.bfloat16)

@@ -62,7 +62,7 @@ class StepTimer:
 def qwenft_arm(config, steps: int, tmp: Path):
     from qwenft import data as data_lib
     from qwenft.model import attach_lora, load_model
-    from qwenft.train import make_trainer
+    from qwenft.train.trainer import make_trainer
 
     model, tokenizer = load_model(config)
     bundle = data_lib.build(config, tokenizer)
@@ -81,7 +81,8 @@ def plain_arm(config, steps: int, tmp: Path, train_rows):
     from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForSeq2Seq,
                               Trainer, TrainingArguments)
 
-    from qwenft.model import native_bf16, resolve_model_dir, torch_dtype
+    from qwenft.model import resolve_model_dir
+    from qwenft.runtime import native_bf16, torch_dtype
 
     path = resolve_model_dir(config.model)
     # The same numeric settings as qwenft's `auto` choices, so only the code path differs: bf16 compute and

@@ -12,38 +12,31 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from qwenft.config import COMMANDS, ConfigError, QwenftError, omegaconf_message, register_resolvers, to_config
-from qwenft.files import atomic_write_bytes, file_in_the_way
-from qwenft.runlock import LOCK_FILES, RunLock, lock_run_dirs, new_run_stamp
+from qwenft.config import COMMANDS, QwenftError, to_config
+from qwenft.files import file_in_the_way
+from qwenft.hydra_app import (CONF_DIR, RUN_DIR_COMMANDS, _log_to_files, _parse_hydra_args, available_recipes,
+                               discard_untouched_run_dir, fail, free_form, hydra_snapshot, restore_hydra_snapshot,
+                               validate, register_resolvers)
+from qwenft.runlock import RunLock, lock_run_dirs, new_run_stamp
 
 log = logging.getLogger("qwenft")
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
-RECIPE_DIR = ROOT / "recipes"
-
-# command -> (one-line help, "module:function" or None while its issue is open, issue number)
-COMMAND_TABLE: Dict[str, Tuple[str, Optional[str], int]] = {
-    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", "qwenft.train:main", 4),
-    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md",
-             "qwenft.evaluate:eval_command", 6),
+# command -> (one-line help, "module:function" run with the validated Config)
+COMMAND_TABLE: Dict[str, Tuple[str, str]] = {
+    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", "qwenft.train.run:main"),
+    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md", "qwenft.evaluate:eval_command"),
     "generate": ("stream text from the model (+ adapter) with the KV-cached sampler",
-                 "qwenft.sampler:generate_command", 5),
-    "merge": ("merge an adapter into its base and export a standalone 16-bit model", "qwenft.export:merge_command", 7),
-    "data": ("validate and preview the training data: counts, lengths, a masked example",
-             "qwenft.data:preview", 3),
+                 "qwenft.generation.command:generate_command"),
+    "merge": ("merge an adapter into its base and export a standalone 16-bit model", "qwenft.export:merge_command"),
+    "data": ("validate and preview the training data: counts, lengths, a masked example", "qwenft.data.command:preview"),
     "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)",
-                "qwenft.inspect:inspect_command", 8),
-    "plan": ("memory and parameter plan from the config, before any download", "qwenft.plan:plan_command", 8),
+                "qwenft.trace:inspect_command"),
+    "plan": ("memory and parameter plan from the config, before any download", "qwenft.plan:plan_command"),
 }
-# Commands that write a run directory (out_dir); the others print and write only what they are told to.
-RUN_DIR_COMMANDS = ("train", "eval")
 
 USAGE = """usage: python -m qwenft COMMAND [overrides]
 
@@ -58,233 +51,14 @@ recipes: {recipes}
 """
 
 
-def available_recipes() -> List[str]:
-    """Names accepted by ``+recipe=NAME``: the YAML files directly under ``recipes/``."""
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
-
-
 def usage() -> str:
     table = "\n".join(f"  {name:<9} {COMMAND_TABLE[name][0]}" for name in COMMANDS)
     return USAGE.format(table=table, recipes=", ".join(available_recipes()) or "(none)")
 
 
-def fail(message: str, code: int = 2) -> "None":
-    """Print one error line to stderr and exit with ``code``."""
-    print(f"qwenft: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
-
-
-def _parse_hydra_args(args: Sequence[str]):
-    from hydra._internal.utils import get_args_parser
-
-    # intermixed: Hydra's flags may come anywhere among the overrides (`train +recipe=x -m lora.r=8,16`)
-    parsed, unknown = get_args_parser().parse_known_intermixed_args(list(args))
-    if unknown:
-        fail(f"unrecognised option(s): {' '.join(unknown)}; overrides are key=value")
-    if parsed.multirun and (parsed.cfg or parsed.info):
-        fail("--cfg / --info print one config: drop -m (or give one value per key)")
-    return parsed
-
-
-def _recipe_problem(overrides: Sequence[str]) -> Optional[str]:
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key == "recipe":
-            return f"{item}: a recipe is added with a leading +: +recipe={value}"
-        if key.lstrip("+~") == "recipe" and value and value not in available_recipes():
-            return f"unknown recipe '{value}' (+recipe={value}); available recipes: {', '.join(available_recipes())}"
-    return None
-
-
-def _compose_message(exc: BaseException) -> str:
-    """Turn a Hydra / OmegaConf composition error into one line naming the key."""
-    from hydra.errors import MissingConfigException
-
-    text = str(exc).strip()
-    if isinstance(exc, MissingConfigException):
-        # "In 'config': Could not find 'quant/nf3'\n\nAvailable options in 'quant':\n\tnf4\n\tnone\nConfig search path:..."
-        lines = text.splitlines()
-        first = lines[0].strip() if lines else type(exc).__name__
-        options, listing = [], False
-        for line in lines[1:]:
-            if line.startswith("Available options"):
-                listing = True
-            elif listing and line.startswith("\t"):
-                options.append(line.strip())
-            elif listing:
-                break
-        missing = first.split("Could not find")[-1].strip(" '\"")
-        group, _, option = missing.partition("/")
-        if option and options:
-            return f"{group}={option} is not accepted; choose one of: {', '.join(options)}"
-        return first
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and type(cause).__module__.startswith("omegaconf"):
-        return omegaconf_message(cause)
-    first = text.splitlines()[0] if text else type(exc).__name__
-    if first.startswith("LexerNoViableAltException:"):  # "LexerNoViableAltException: KEY=VALUE"
-        override = first.split(":", 1)[1].strip()
-        key, _, value = override.partition("=")
-        if value.startswith(("[", "{")):
-            return (f"{override}: Hydra cannot read this value; quote each text item inside it, e.g. "
-                    f"\"{key}=['text']\"")
-        if value:  # Hydra's grammar takes unquoted values of letters, digits and a few symbols only
-            return (f"{override}: Hydra cannot read this value unquoted; quote it for Hydra inside the shell's "
-                    f"quotes: \"{key}='{value}'\"")
-    ambiguous = re.match(r"Ambiguous value for argument '(([^=']+)=(.*))'$", first)
-    if ambiguous:  # a comma outside -m: Hydra will not guess between a list, a text and a sweep
-        override, key, value = ambiguous.groups()
-        return (f"{override}: a comma makes this a sweep; quote a value holding a comma (\"{key}='{value}'\"), "
-                f"write a list as {key}=[{value}], or add -m to run one job per value")
-    return first.replace("Error merging override ", "")
-
-
-_FREE_FORM = re.compile(r"^(data\.sources\.\d+\.(columns|replace)|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
-
-
-_TEXT_KEYS = ("prompt", "data.system_prompt")  # free text: taken literally, whatever characters it has
-
-
-def quote_text(value: str) -> str:
-    """``value`` as a single-quoted Hydra override value that composes back to exactly ``value``.
-
-    Hydra's quoted strings keep backslashes except runs before a quote (and before the closing quote), which
-    escape in pairs; ``${`` is escaped so a prompt about ``${HOME}`` is not an interpolation.
-    """
-    out = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
-    out = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, out)
-    out = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", out)  # OmegaConf: \\ then \${ stay literal
-    return f"'{out}'"
-
-
-_LIST_KEYS = ("inspect.layers", "lora.target_modules")  # comma lists (or one item): a list, not a sweep
-
-
-def free_form(overrides: Sequence[str]) -> List[str]:
-    """Rewrite the few overrides whose natural spelling Hydra's grammar refuses.
-
-    - ``data.sources.N.columns`` is a free-form mapping (format field -> file field; ``data.sources.N.replace``:
-      placeholder -> text, checked by :class:`qwenft.config.DataSource`): Hydra refuses new keys in
-      a struct config unless the override starts with ``++``; the keys are checked against the format later
-      (:class:`qwenft.config.DataSource`). So are ``dist.fsdp`` and ``dist.deepspeed`` (passed through to
-      transformers' ``fsdp_config`` / ``deepspeed``).
-    - ``prompt=春天`` and ``data.system_prompt=...``: free text is quoted for Hydra (unquoted non-ASCII or ``,``
-      would be refused) and taken literally (``${...}`` stays text, see :func:`quote_text`); ``null`` stays null.
-      A sweep over them needs the user's own Hydra quoting.
-    - ``inspect.layers=0,12,23`` is a list, not a multirun sweep; ``inspect.layers=5`` is the list ``[5]``; the
-      same for ``lora.target_modules=q_proj,v_proj``.
-    """
-    out = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if _FREE_FORM.match(item):
-            item = f"++{item}"
-        elif sep and key in _TEXT_KEYS and value != "null" and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
-            item = f"{key}={quote_text(value)}"
-        elif sep and key in _LIST_KEYS and value not in ("", "null") and not value.startswith("["):
-            item = f"{key}=[{value}]"  # 0,12,23 or a single 5
-        out.append(item)
-    return out
-
-
-def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> list:
-    """Compose and validate the config for ``command`` with ``overrides`` (each grid point if ``multirun``).
-
-    Returns:
-        The validated :class:`qwenft.config.Config` objects (one per grid point).
-
-    Raises:
-        ConfigError: one line naming the offending key.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    problem = _recipe_problem(overrides)
-    if problem:
-        raise ConfigError(problem)
-    for item in overrides:
-        key = item.partition("=")[0].lstrip("+~")
-        if key in ("hydra.run.dir", "hydra.sweep.dir") and command in RUN_DIR_COMMANDS:
-            raise ConfigError(f"{key} is set from out_dir; use out_dir=PATH instead (with -m, runs go to "
-                              "out_dir/0, out_dir/1, ...)")
-    user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    grid: List[List[str]] = [list(user)]
-    if multirun:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        try:
-            parsed = OverridesParser.create().parse_overrides(list(user))
-            grid = [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
-        except Exception as exc:  # a malformed sweep expression
-            raise ConfigError(_compose_message(exc)) from None
-    configs = []
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for point in grid:
-            try:
-                cfg = compose(config_name="config", overrides=[*point, f"command={command}"])
-            except Exception as exc:
-                raise ConfigError(_compose_message(exc)) from None
-            configs.append(to_config(cfg))
-    GlobalHydra.instance().clear()
-    return configs
-
-
 def _resolve(command: str) -> Callable:
-    _, target, issue = COMMAND_TABLE[command]
-    if target is None:
-        fail(f"'{command}' is not implemented yet (tracked in issue {issue})")
-    module, _, name = target.partition(":")
+    module, _, name = COMMAND_TABLE[command][1].partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def discard_untouched_run_dir(run_dir: Path, command: str) -> bool:
-    """Remove ``run_dir`` when it holds nothing but what Hydra wrote before the command ran.
-
-    A run refused with a user error before it wrote anything (bad data, a missing adapter or model) then leaves
-    no empty run directory behind. Anything else in it (config.yaml, checkpoints, an adapter) keeps it.
-
-    Returns:
-        Whether the directory was removed.
-    """
-    hydra_only = {".hydra", f"{command}.log", *LOCK_FILES}  # and the lock this command holds
-    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= hydra_only:
-        return False
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return True
-
-
-def hydra_snapshot(run_dir: Path) -> Dict[str, bytes]:
-    """The files of ``run_dir/.hydra`` (Hydra's config snapshot of the run), by name; empty when there are none."""
-    folder = run_dir / ".hydra"
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
-
-
-def restore_hydra_snapshot(run_dir: Path, snapshot: Dict[str, bytes]) -> None:
-    """Put back ``run_dir/.hydra`` as :func:`hydra_snapshot` found it (each file written atomically), so that a
-    refused command in an existing run directory leaves that run's record of how it was run unchanged."""
-    folder = run_dir / ".hydra"
-    if not snapshot:  # the directory had no .hydra/ before this command
-        shutil.rmtree(folder, ignore_errors=True)
-        return
-    for path in folder.iterdir() if folder.is_dir() else ():
-        if path.is_file() and path.name not in snapshot:
-            path.unlink()
-    for name, data in snapshot.items():
-        atomic_write_bytes(folder / name, data)
-
-
-def _log_to_files(message: str) -> None:
-    """Write ``message`` to the run's log file(s) only (the terminal gets it once, from :func:`fail`), so a
-    run's log ends with why it stopped."""
-    record = logging.LogRecord("qwenft", logging.ERROR, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            try:
-                handler.handle(record)
-            except OSError:  # the log's folder is gone: nothing to complete
-                pass
 
 
 def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], existing: Sequence[str] = ()) -> None:
@@ -362,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def _checked_run(command: str, rest: Sequence[str], parsed, locks: List[RunLock]) -> None:  # checks, lock, Hydra
     launch, existing = [], []  # Hydra overrides under a launcher; run directories that existed before
     if not (parsed.help or parsed.cfg or parsed.info):
-        from qwenft.dist import launch_overrides, preflight
+        from qwenft.train.dist import launch_overrides, preflight
 
         try:
             configs = validate(command, free_form(parsed.overrides), multirun=parsed.multirun)
@@ -381,7 +155,7 @@ def _checked_run(command: str, rest: Sequence[str], parsed, locks: List[RunLock]
         if command == "train":  # resume / finished-run checks, before Hydra writes .hydra/
             from dataclasses import replace
 
-            from qwenft.train import check_run_dir
+            from qwenft.train.run import check_run_dir
 
             try:  # -m: grid point N runs in out_dir/N (hydra.sweep.subdir), in the order validate() returns
                 for num, config in enumerate(configs):

@@ -1,6 +1,6 @@
 """``train.kernels``: which kernels a training run uses for the Qwen2 layers and the loss.
 
-- ``none``: transformers' Qwen2 modules and qwenft's chunked PyTorch loss (:mod:`qwenft.loss`), on every device.
+- ``none``: transformers' Qwen2 modules and qwenft's chunked PyTorch loss (:mod:`qwenft.train.loss`), on every device.
 - ``liger``: Liger-Kernel's Triton kernels through its public API (``liger_kernel.transformers``): RMSNorm, RoPE and
   SwiGLU patched into the loaded model by ``apply_liger_kernel_to_qwen2(..., model=model)``, and the loss computed by
   ``LigerFusedLinearCrossEntropyLoss`` (vocabulary projection + cross-entropy fused, no logits tensor). CUDA only;
@@ -77,7 +77,7 @@ def apply_kernels(model, kernels: str) -> None:
 
     ``liger``: RMSNorm, RoPE and SwiGLU through ``apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True,
     cross_entropy=False, fused_linear_cross_entropy=False, model=model)``: the loss is computed by qwenft's
-    trainer (:func:`qwenft.loss.fused_loss`), which calls Liger's fused linear cross-entropy on the supervised
+    trainer (:func:`qwenft.train.loss.fused_loss`), which calls Liger's fused linear cross-entropy on the supervised
     positions only. ``none``: nothing changes.
     """
     if kernels != "liger":

@@ -3,7 +3,7 @@
 - :func:`run_stamp` names the default run directory (``outputs/<run_name>/<stamp>``, ``${qwenft_run_id:}`` in
   conf/config.yaml): the start time plus this process's id, or the W&B run id under a sweep agent, so two
   launches in the same second never share a directory. It is fixed once per command (the CLI composes the config
-  twice; both get the same name); under torchrun rank 0's is broadcast (:func:`qwenft.dist.launch_overrides`).
+  twice; both get the same name); under torchrun rank 0's is broadcast (:func:`qwenft.train.dist.launch_overrides`).
 - :class:`RunLock` is an OS file lock (the ``filelock`` package, ``flock``) on ``<dir>/.qwenft.lock`` for
   ``train`` and ``eval`` (``merge``: ``.<DIR>.qwenft.lock`` beside its ``out=DIR``, which appears only when
   verified), taken by the CLI before anything is written and held until the command ends. The holder's process

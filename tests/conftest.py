@@ -18,8 +18,8 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 def compose_config(*overrides: str, command: str = "train"):
     """Compose conf/config.yaml with ``overrides`` exactly as the CLI does and validate it."""
-    from qwenft.cli import validate
-    from qwenft.config import register_resolvers
+    from qwenft.hydra_app import validate
+    from qwenft.hydra_app import register_resolvers
 
     register_resolvers()
     return validate(command, list(overrides))[0]

@@ -37,13 +37,13 @@ def case(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny():
     from qwenft.model import load_tokenizer
-    from qwenft.tiny import tiny_model_dir
+    from qwenft.model.tiny import tiny_model_dir
 
     return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
 
 
 def data_config(*overrides: str, command: str = "data"):
-    from qwenft.cli import free_form
+    from qwenft.hydra_app import free_form
 
     return compose_config(*free_form(["model=tiny-random", "data.cache=false", *overrides]), command=command)
 
@@ -97,7 +97,7 @@ def test_refused_eval_leaves_nothing_behind(case, tmp_path):
 
 def test_eval_with_a_recipe_runs_the_adapters_base(case, tmp_path):
     """Only what the user typed overrides the base an adapter records; +recipe=domain's 7B default does not."""
-    from qwenft.adapter_base import inference_config
+    from qwenft.model.adapter import inference_config
     from qwenft.model import save_adapter_meta
 
     case("eval-recipe-base")

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from qwenft.cli import available_recipes, validate
-from qwenft.config import ALL_TARGETS, ConfigError, register_resolvers
+from qwenft.hydra_app import available_recipes, validate
+from qwenft.config import ALL_TARGETS, ConfigError
+from qwenft.hydra_app import register_resolvers
 from tests.conftest import ROOT, compose_config
 
 
@@ -113,7 +114,7 @@ def test_cli_unknown_command():
 
 
 def test_free_text_and_list_overrides_are_rewritten_for_hydra():
-    from qwenft.cli import free_form
+    from qwenft.hydra_app import free_form
 
     assert free_form(["prompt=春天", "prompt=it's a, b", 'prompt="x"']) == [
         "prompt='春天'", "prompt='it\\'s a, b'", 'prompt="x"']
@@ -133,7 +134,7 @@ def test_free_text_and_list_overrides_are_rewritten_for_hydra():
                                   "q=1, r=2"])
 def test_free_text_composes_back_to_exactly_what_was_typed(text):
     """prompt= and data.system_prompt= are literal: no interpolation, backslashes and quotes as typed."""
-    from qwenft.cli import free_form
+    from qwenft.hydra_app import free_form
 
     config = compose_config(*free_form([f"prompt={text}", f"data.system_prompt={text}"]), command="generate")
     assert config.prompt == text and config.data.system_prompt == text

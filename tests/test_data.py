@@ -39,7 +39,7 @@ def qwen(embedded_dir):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from qwenft.tiny import tiny_model_dir
+    from qwenft.model.tiny import tiny_model_dir
 
     return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
 
@@ -406,7 +406,7 @@ def test_pack_first_fit():
 def test_packed_loss_equals_unpacked_loss(tiny, tmp_path, attn):
     from transformers import AutoModelForCausalLM
 
-    from qwenft.tiny import tiny_model_dir
+    from qwenft.model.tiny import tiny_model_dir
 
     rows = [{"instruction": f"question {i} " * (1 + i % 4), "output": f"answer {i} " * (1 + i % 3)} for i in range(12)]
     chat = DataSource(name="chat", path=str(write_jsonl(tmp_path / "a.jsonl", rows)), weight=0.75)

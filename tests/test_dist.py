@@ -34,7 +34,7 @@ main(sys.argv[1:])
 
 KILL_AFTER_CHECKPOINT_2 = """
 import signal
-from qwenft.train_callbacks import QwenftTrainer
+from qwenft.train.trainer import QwenftTrainer
 _save = QwenftTrainer._save_checkpoint
 def _save_then_die(self, model, trial):
     _save(self, model, trial)
@@ -85,7 +85,7 @@ def common_args(rows: Path) -> list:
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory):
     """The reference: one process, batch 2 (the global batch of 2 ranks x batch 1), in this process."""
-    from qwenft.train import run
+    from qwenft.train.run import run
 
     tmp = tmp_path_factory.mktemp("single")
     rows = write_rows(tmp / "rows.jsonl", n=16)
@@ -197,7 +197,7 @@ def test_the_five_presets_exist():
 
 @pytest.mark.parametrize("preset", DIST_PRESETS)
 def test_every_dist_preset_composes_validates_and_maps_to_training_arguments(preset, monkeypatch):
-    from qwenft.dist import training_kwargs
+    from qwenft.train.dist import training_kwargs
 
     config = compose_config(f"dist={preset}", "model=qwen2.5-7b-instruct")
     dcfg = config.dist
@@ -227,7 +227,7 @@ def test_every_dist_preset_composes_validates_and_maps_to_training_arguments(pre
 
 
 def test_dist_none_under_several_processes_is_ddp(monkeypatch):
-    from qwenft.dist import resolve_strategy
+    from qwenft.train.dist import resolve_strategy
 
     config = compose_config()
     assert resolve_strategy(config.dist) == "none"

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from qwenft.config import ConfigError, ModelConfig, QwenftError
-from qwenft.model import attach_lora, load_adapter, load_model, read_adapter_meta, resolve_dtype, save_adapter_meta
+from qwenft.model import attach_lora, load_adapter, load_model, read_adapter_meta, save_adapter_meta
+from qwenft.runtime import resolve_dtype
 from tests.conftest import ROOT, compose_config
 
 TEXTS = ["What is the capital of France?", "春天来了", "def add(a, b): return a + b"]
@@ -113,7 +114,7 @@ def test_adapter_meta_round_trip(tmp_path):
 
 
 def test_resolve_base_rule(tmp_path):
-    from qwenft.adapter_base import resolve_base
+    from qwenft.model.adapter import resolve_base
 
     # The rule compares with ModelConfig(): it must be what conf/config.yaml composes by default.
     assert compose_config(command="merge").model == ModelConfig()
@@ -139,7 +140,7 @@ def test_inference_commands_use_the_adapters_base(tmp_path):
     """eval / generate / inspect with adapter=PATH alone run on the base named by its qwenft.json."""
     import dataclasses
 
-    from qwenft.adapter_base import inference_config
+    from qwenft.model.adapter import inference_config
 
     trained = compose_config("model=tiny-random", "quant=nf4", "model.tiny.hidden_size=32")
     trained = dataclasses.replace(trained, data=dataclasses.replace(trained.data, system_prompt="Réponds en français."))
@@ -174,7 +175,7 @@ def test_inference_commands_use_the_adapters_base(tmp_path):
 
 def test_merge_base_keeps_the_trained_rope_scaling(tmp_path):
     """A base trained with model.rope_scaling is merged with it: the exported config.json keeps the context."""
-    from qwenft.adapter_base import resolve_base
+    from qwenft.model.adapter import resolve_base
     from qwenft.export.build import load_base
 
     yarn = "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 2048}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qwenft.config import ConfigError, QwenftError
-from qwenft.inspect import inspect_command, resolve_layers, token_table, trace_forward
+from qwenft.trace import inspect_command, resolve_layers, token_table, trace_forward
 from tests.conftest import ROOT, compose_config
 
 PROMPT = "春天来了，花开了。"
@@ -34,7 +34,7 @@ def tiny(tmp_path):
 
 
 def stats(x: torch.Tensor) -> dict:
-    """The reference statistics, written independently of qwenft.inspect.tensor_stats."""
+    """The reference statistics, written independently of qwenft.trace.tensor_stats."""
     x = x.double()
     return {"rms": x.square().mean().sqrt().item(), "mean": x.mean().item(), "std": x.var(unbiased=False).sqrt().item(),
             "max_abs": x.abs().max().item(), "token_norm": torch.linalg.vector_norm(x, dim=-1).mean().item()}

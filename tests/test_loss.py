@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwenft.config import QwenftError
 from qwenft.kernels import chunk_tokens, liger_chunk_tokens, resolve_kernels
-from qwenft.loss import fused_loss, linear_cross_entropy
+from qwenft.train.loss import fused_loss, linear_cross_entropy
 from tests.conftest import compose_config
 from tests.test_train import QUESTIONS
 
@@ -87,7 +87,7 @@ def test_linear_cross_entropy_empty_and_bad_shapes():
 def _trainer(tmp_path, *overrides):
     from qwenft.data import DataCollator, encode_example
     from qwenft.model import attach_lora, load_model
-    from qwenft.train import make_trainer
+    from qwenft.train.trainer import make_trainer
     from qwenft.data import DataBundle
 
     config = compose_config("model=tiny-random", f"out_dir={tmp_path}", "lora.lora_dropout=0.0",
@@ -242,7 +242,7 @@ def test_chunked_loss_equals_the_model_loss_on_the_embedded_model(tmp_path, embe
     import qwenft.kernels
     from qwenft.data import DataBundle, DataCollator, encode_example
     from qwenft.model import attach_lora, load_model
-    from qwenft.train import make_trainer
+    from qwenft.train.trainer import make_trainer
 
     config = compose_config("quant=none", "model.dtype=float32", "train.precision=fp32", "lora.lora_dropout=0.0",
                             "lora.r=4", f"out_dir={tmp_path}")

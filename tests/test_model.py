@@ -200,7 +200,7 @@ def test_a_merged_model_is_not_quantized_again_for_inference(tmp_path):
     from bitsandbytes.nn import Linear4bit
 
     from qwenft.model import MERGE_MARKER
-    from qwenft.tiny import tiny_model_dir
+    from qwenft.model.tiny import tiny_model_dir
 
     merged = tmp_path / "merged"
     shutil.copytree(tiny_model_dir(compose_config("model=tiny-random").model.tiny), merged)

@@ -75,7 +75,7 @@ def test_lora_count_variants_equal_peft(overrides):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    from qwenft.tiny import build_model, build_tokenizer
+    from qwenft.model.tiny import build_model, build_tokenizer
 
     config = compose_config("model=tiny-random", *overrides)
     lcfg, tcfg = config.lora, config.model.tiny
@@ -109,7 +109,7 @@ def saved_bytes(config, batch: int, seq: int, amp: bool, tmp_path) -> int:
     included, as qwenft's trainer runs it (``QwenftTrainer.compute_loss``: its autocast, its chunked loss)."""
     from qwenft.data import DataBundle
     from qwenft.model import attach_lora, load_model
-    from qwenft.train import make_trainer
+    from qwenft.train.trainer import make_trainer
 
     torch.manual_seed(0)
     model, tokenizer = load_model(config, device="cpu")
@@ -197,7 +197,7 @@ def test_make_plan_never_loads_weights(monkeypatch, tmp_path):
 
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    monkeypatch.setattr("qwenft.model.embedded_model_dir", refuse)
+    monkeypatch.setattr("qwenft.model.sources.embedded_model_dir", refuse)
     plan = make_plan(compose_config())
     assert "built-in" in plan["model"]["numbers_from"]
     assert plan["parameters"]["total"] == 630_167_424  # DESIGN: "untied lm_head (630 M params)"
@@ -255,7 +255,7 @@ def test_plan_out_that_is_a_directory_is_one_line(tmp_path):
 
 
 def test_auto_dtypes_and_supervised_fraction():
-    from qwenft.model import native_bf16
+    from qwenft.runtime import native_bf16
 
     cuda = TrainSetup.from_config(compose_config("quant=none", "model.dtype=auto"), device="cuda")
     assert cuda.model_bytes == 2 and cuda.amp  # a CUDA device is planned with native bf16

@@ -25,7 +25,7 @@ from qwenft.generation.kv_cache import left_pad, position_ids
 from qwenft.generation.params import SamplingParams, resolve_params
 from qwenft.generation.text import REPLACEMENT, RowText, ends_with_any
 from qwenft.model import load_model
-from qwenft.sampler import Sampler
+from qwenft.generation import Sampler
 from tests.conftest import compose_config
 
 PROMPTS = ["Hello there, how are you", "春天来了", "The quick brown fox jumps over the lazy dog. And then", "0 1"]

@@ -51,7 +51,7 @@ def run_cli(args: list, patch: str = "", timeout: int = 300) -> subprocess.Compl
 
 KILL_AFTER_STEP_3 = """
 import os, signal
-from qwenft.train_callbacks import QwenftTrainer
+from qwenft.train.trainer import QwenftTrainer
 _save = QwenftTrainer._save_checkpoint
 def _save_then_die(self, model, trial):
     _save(self, model, trial)
@@ -96,7 +96,7 @@ def test_sigkill_after_checkpoint_then_resume_equals_uninterrupted(tmp_path):
 
 NAN_FROM_STEP_5 = """
 import torch
-from qwenft.train_callbacks import QwenftTrainer
+from qwenft.train.trainer import QwenftTrainer
 _loss = QwenftTrainer.compute_loss
 def _nan_loss(self, model, inputs, *args, **kwargs):
     out = _loss(self, model, inputs, *args, **kwargs)
@@ -243,8 +243,8 @@ def test_supervised_only_loss_equals_the_model_loss(tmp_path):
     """QwenftTrainer.compute_loss (lm_head on supervised positions only) == transformers' loss."""
     from qwenft.data import DataCollator, encode_example
     from qwenft.model import attach_lora, load_model
-    from qwenft.train import training_arguments
-    from qwenft.train_callbacks import QwenftTrainer
+    from qwenft.train.trainer import training_arguments
+    from qwenft.train.trainer import QwenftTrainer
 
     config = compose_config("model=tiny-random", "quant=none", f"out_dir={tmp_path}", "lora.lora_dropout=0.0")
     model, tokenizer = load_model(config, device="cpu")

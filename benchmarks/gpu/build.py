@@ -92,7 +92,8 @@ def build_nf4_model(shape: Dict[str, Any], device: str, compute_dtype, tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
     from transformers.utils.quantization_config import QuantizationMethod
 
-    from qwenft.model import _disable_cpu_repacking, stop_token_ids
+    from qwenft.chat import stop_token_ids
+    from qwenft.model.load import _disable_cpu_repacking
 
     config = Qwen2Config(**shape)
     torch.manual_seed(seed)

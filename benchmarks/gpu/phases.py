@@ -88,7 +88,7 @@ def decode_phase(model, tokenizer, args, memory, bandwidth: float) -> List[dict]
 
     from benchmarks.sampler import DecodeClock, weight_bytes_per_step
     from qwenft.config import GenerateConfig
-    from qwenft.sampler import Sampler
+    from qwenft.generation import Sampler
 
     device = next(model.parameters()).device
     sampler = Sampler(model, tokenizer, GenerateConfig())  # every setting from the model's generation_config

@@ -6,7 +6,7 @@ projections. Phases, each after a fresh build with the same seed (so every phase
 memory peak is its own; ``torch.cuda.max_memory_allocated`` is reset before each):
 
 1. decode: ``greedy``, exactly N new tokens (``min_new_tokens = max_new_tokens``) from random token-id prompts,
-   at batch 1 and 16, qwenft's :class:`qwenft.sampler.Sampler` and transformers' ``model.generate`` alternating;
+   at batch 1 and 16, qwenft's :class:`qwenft.generation.Sampler` and transformers' ``model.generate`` alternating;
    decode tokens/s timed by forward hooks (``benchmarks.sampler.DecodeClock``: the prefill excluded, every
    per-step cost outside the model included); both must choose the same tokens. The bandwidth floor of a decode
    step is ``weight bytes read per step / measured device copy bandwidth`` (STREAM copy convention, read +
@@ -16,7 +16,7 @@ memory peak is its own; ``torch.cuda.max_memory_allocated`` is reset before each
    optimizer steps (:mod:`benchmarks.gpu.train_arms`: ``plain qwenft liger plain qwenft liger ...``, the first
    block of each arm untimed): ``plain``, what a user writes by hand (``peft.prepare_model_for_kbit_training`` +
    ``get_peft_model`` + ``transformers.Trainer`` with ``DataCollatorForSeq2Seq``); ``qwenft``
-   (``qwenft.model.attach_lora`` + ``qwenft.train.make_trainer``: its Trainer subclass, chunked loss, collator and
+   (``qwenft.model.attach_lora`` + ``qwenft.train.trainer.make_trainer``: its Trainer subclass, chunked loss, collator and
    callbacks; ``train.kernels=none``); ``qwenft_liger`` (the same with ``train.kernels=liger``; only on CUDA with
    liger-kernel installed). Gradient checkpointing, bf16 autocast, paged 8-bit AdamW in all.
 
@@ -100,8 +100,8 @@ def parse_args(argv=None):
 
 def qwenft_config(args, out_dir: str):
     """The validated qwenft config of this run (LoRA, train settings; the model section feeds the planner)."""
-    from qwenft.cli import validate
-    from qwenft.config import register_resolvers
+    from qwenft.hydra_app import validate
+    from qwenft.hydra_app import register_resolvers
 
     cuda = args.device.startswith("cuda")
     model = tiny_overrides(TINY) if args.tiny else ["model=qwen2.5-7b-instruct"]
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     import torch
 
     from qwenft.config import TinyModelConfig
-    from qwenft.tiny import build_tokenizer
+    from qwenft.model.tiny import build_tokenizer
 
     started = time.perf_counter()
     if args.threads:

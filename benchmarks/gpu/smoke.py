@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 # Kills the training process right after checkpoint-2 is in place (what a preempted job looks like).
 KILL_AFTER_FIRST_CHECKPOINT = """
 import os, signal, sys
-from qwenft.train_callbacks import QwenftTrainer
+from qwenft.train.trainer import QwenftTrainer
 _save = QwenftTrainer._save_checkpoint
 def _save_then_die(self, model, trial):
     _save(self, model, trial)

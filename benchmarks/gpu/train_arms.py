@@ -143,7 +143,7 @@ def qwenft_builder(build_model: Callable[[], object], tokenizer, config, rows, t
         from qwenft.data import DataBundle
         from qwenft.kernels import apply_kernels
         from qwenft.model import attach_lora
-        from qwenft.train import make_trainer
+        from qwenft.train.trainer import make_trainer
 
         cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, kernels=kernels))
         model = build_model()

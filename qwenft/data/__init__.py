@@ -15,19 +15,20 @@ Modules, one step each:
 - :mod:`~qwenft.data.pipeline`: :func:`build` ties the steps together, caches tokenized data by content +
   tokenizer + settings, and reports :class:`DataBundle` stats.
 - :mod:`~qwenft.data.collate`: :class:`DataCollator` (right padding, labels padded by position, packed rows).
-- :mod:`~qwenft.data.command`: :func:`preview`, the ``python -m qwenft data`` command.
+- :mod:`~qwenft.data.command`: :func:`~qwenft.data.command.preview`, the ``python -m qwenft data`` command (a
+  command room: it may import :mod:`qwenft.model`; the rest of this room imports only :mod:`qwenft.config`,
+  :mod:`qwenft.chat`, :mod:`qwenft.files`).
 """
 
 from qwenft.data.pipeline import DataBundle, build, tokenizer_fingerprint
 from qwenft.data.collate import DataCollator
 from qwenft.data.formats import DataError, normalise
 from qwenft.data.mix import choose, mix_counts, pack, split_eval
-from qwenft.data.command import preview
 from qwenft.data.read import read_rows, read_source, resolve_path
 from qwenft.data.template import IGNORE_INDEX, encode_example, encode_text, prompt_ids, segments, with_system
 
 __all__ = [
     "DataBundle", "DataCollator", "DataError", "IGNORE_INDEX", "build", "choose", "encode_example", "encode_text",
-    "mix_counts", "normalise", "pack", "preview", "prompt_ids", "read_rows", "read_source", "resolve_path",
+    "mix_counts", "normalise", "pack", "prompt_ids", "read_rows", "read_source", "resolve_path",
     "segments", "split_eval", "tokenizer_fingerprint", "with_system",
 ]

@@ -64,7 +64,7 @@ def _context_warning(config: Config, model_dir) -> "str | None":
     import json
     from pathlib import Path
 
-    from qwenft.rope import context_warning
+    from qwenft.model.rope import context_warning
 
     try:
         positions = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]

@@ -128,7 +128,7 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
         ``(dataset, cache_hit)``; columns ``row, input_ids, labels, length, overflow, supervised, error``.
     """
     import datasets
-    from qwenft.model import cache_dir
+    from qwenft.runtime import cache_dir
 
     key = _cache_key(rows, fingerprint, dcfg)
     path = cache_dir() / "data" / key

@@ -199,7 +199,7 @@ def run_after_train(config: Config, model, tokenizer, bundle) -> Dict[str, Any]:
 def eval_command(config: Config) -> None:
     """``qwenft eval [adapter=PATH]``: evaluate the base, and the tuned model when an adapter is given."""
     from qwenft import data as data_lib
-    from qwenft.adapter_base import inference_config
+    from qwenft.model.adapter import inference_config
     from qwenft.evaluate.report import write_outputs
     from qwenft.model import (check_adapter_dir, load_adapter, load_model, load_tokenizer, read_adapter_meta,
                               resolve_model_dir)

@@ -3,7 +3,7 @@
 ``python -m qwenft merge adapter=PATH out=DIR [merge.dtype=bfloat16] [merge.base=dequantized|original]
 [merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0]``
 
-1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.adapter_base.resolve_base` for when a
+1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.model.adapter.resolve_base` for when a
    ``model=`` override wins) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
    NF4-dequantized weights unless ``merge.base=original`` (trade-off: :mod:`qwenft.export.build`).
 2. Reference outputs of the adapter on that base are taken, the delta is merged (NaN/inf checked before it is
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from qwenft.adapter_base import resolve_base
+from qwenft.model.adapter import resolve_base
 from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
 from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
@@ -169,7 +169,7 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     Args:
         config: The validated config (``adapter``, ``out``, ``merge.*``; ``model``/``quant`` only when the
             adapter has no ``qwenft.json`` or ``model=`` names other weights).
-        device: Where to merge and check (default: :func:`qwenft.model.default_device`).
+        device: Where to merge and check (default: :func:`qwenft.runtime.default_device`).
 
     Returns:
         The output directory.
@@ -179,7 +179,7 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
             that does not fit its base, non-finite merged weights.
         VerificationError: the reloaded model (or GGUF) is outside the tolerance; nothing is written.
     """
-    from qwenft.model import default_device
+    from qwenft.runtime import default_device
 
     adapter_dir, out = _paths(config)
     model_cfg, quant_cfg, why = resolve_base(config.model, config.quant, adapter_dir)

@@ -17,7 +17,9 @@ import logging
 from pathlib import Path
 
 from qwenft.config import MergeConfig, ModelConfig, QuantConfig, QwenftError
-from qwenft.model import load_adapter, load_tokenizer, resolve_model_dir, resolve_dtype, stop_token_ids, torch_dtype
+from qwenft.chat import stop_token_ids
+from qwenft.model import load_adapter, load_tokenizer, resolve_model_dir
+from qwenft.runtime import resolve_dtype, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ def load_base(mcfg: ModelConfig, merge: MergeConfig, device: str):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qwenft.rope import apply_rope_scaling
+    from qwenft.model.rope import apply_rope_scaling
 
     model_dir = resolve_model_dir(mcfg)
     revision = mcfg.revision if mcfg.source == "hub" else None
@@ -171,7 +173,7 @@ def merge_(peft_model, adapter_dir: Path):
 
 def save_merged(model, tokenizer, out_dir: Path, max_shard_size: str) -> None:
     """Save the merged model as safetensors shards, the tokenizer (with its chat template) and a
-    generation_config that stops on every end token (:func:`qwenft.model.stop_token_ids`)."""
+    generation_config that stops on every end token (:func:`qwenft.chat.stop_token_ids`)."""
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.use_cache = True

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from qwenft.config import QwenftError
-from qwenft.model import stop_token_ids
+from qwenft.chat import stop_token_ids
 
 PROMPTS = (
     "What is the capital of France?",

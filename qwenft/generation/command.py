@@ -159,9 +159,10 @@ def generate_command(config: Config) -> None:
     if config.prompt is not None and not config.prompt.strip():
         raise QwenftError("prompt: empty prompt")
 
-    from qwenft.adapter_base import inference_config
+    from qwenft.model.adapter import inference_config
     from qwenft.generation.generate import Sampler
-    from qwenft.model import check_adapter_dir, default_device, dequantize_for_inference, load_adapter, load_model
+    from qwenft.model import check_adapter_dir, dequantize_for_inference, load_adapter, load_model
+    from qwenft.runtime import default_device
 
     if config.adapter:
         check_adapter_dir(config.adapter)  # before the (slow) model load

@@ -68,7 +68,7 @@ def resolve_params(config: Optional[GenerateConfig], generation_config: Any, tok
     Args:
         config: the ``generate`` section (None: all defaults of :class:`qwenft.config.GenerateConfig`).
         generation_config: the model's ``GenerationConfig`` (or None).
-        tokenizer: used for the default stop list (:func:`qwenft.model.stop_token_ids`: the
+        tokenizer: used for the default stop list (:func:`qwenft.chat.stop_token_ids`: the
             generation_config's EOS list plus ``<|im_end|>`` and ``<|endoftext|>``).
         **overrides: any :class:`GenerateConfig` field, e.g. ``max_new_tokens=16, do_sample=False``.
 
@@ -80,7 +80,7 @@ def resolve_params(config: Optional[GenerateConfig], generation_config: Any, tok
             :class:`GenerateConfig`), or a stop token id is outside the tokenizer's vocabulary.
     """
     from qwenft.config import ConfigError
-    from qwenft.model import stop_token_ids
+    from qwenft.chat import stop_token_ids
 
     config = config or GenerateConfig()
     known = {f.name for f in dataclasses.fields(GenerateConfig)}

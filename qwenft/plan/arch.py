@@ -149,7 +149,8 @@ def resolve_architecture(mcfg: ModelConfig) -> Architecture:
                               "model directory)")
         return Architecture.from_config_dict(_read_json(path), str(path))
     if mcfg.source == "embedded":
-        from qwenft.model import EMBEDDED_SHA256, cache_dir
+        from qwenft.model.sources import EMBEDDED_SHA256
+        from qwenft.runtime import cache_dir
 
         path = cache_dir() / "embedded" / EMBEDDED_SHA256[:16] / "config.json"
         if path.is_file():

@@ -65,7 +65,7 @@ def make_plan(config: Config) -> Dict[str, Any]:
     Raises:
         QwenftError: the architecture cannot be read (see :func:`qwenft.plan.arch.resolve_architecture`).
     """
-    from qwenft.rope import context_warning, original_positions, scaled_positions
+    from qwenft.model.rope import context_warning, original_positions, scaled_positions
 
     unscaled = resolve_architecture(config.model)
     rope = config.model.rope_scaling

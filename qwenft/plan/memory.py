@@ -11,7 +11,7 @@ stack drive most terms:
 - peft keeps LoRA weights in fp32 (``autocast_adapter_dtype=True``) and casts a layer's input to that dtype
   before dropout; bitsandbytes' ``Linear4bit`` casts its output back to its input's dtype and its autograd
   function saves only the packed weight (bitsandbytes/autograd/_functions.py, ``MatMul4Bit``).
-- qwenft's loss (``QwenftTrainer.compute_loss``, :mod:`qwenft.loss`) projects only the
+- qwenft's loss (``QwenftTrainer.compute_loss``, :mod:`qwenft.train.loss`) projects only the
   supervised positions onto the vocabulary (``rows``: ``plan.supervised_fraction`` of the tokens), a chunk at a
   time, computing the hidden-state gradient as it goes: no ``[rows, vocab]`` logits tensor exists. The loss holds
   one chunk's logits (fp32, plus their 16-bit copy under autocast; Liger: one chunk in the compute dtype), the
@@ -46,7 +46,7 @@ class TrainSetup:
     is bf16 when the compute dtype is bfloat16 and bf16 is native on the device). ``model_bytes``: bytes of
     ``model.dtype``; ``compute_bytes``: bytes of ``quant.compute_dtype`` (what NF4 weights are dequantized to);
     a dtype ``auto`` is bfloat16 where bf16 is native, else float32. A CUDA device is assumed to have native
-    bf16 (Ampere or newer); for a CPU the machine running the plan is asked (``qwenft.model.native_bf16``).
+    bf16 (Ampere or newer); for a CPU the machine running the plan is asked (``qwenft.runtime.native_bf16``).
     ``optim``: the optimizer, ``auto`` resolved to ``paged_adamw_8bit`` on CUDA and ``adamw_torch`` on a CPU.
     ``supervised``: the share of tokens projected onto the vocabulary by the loss. ``kernels``: ``train.kernels``
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
@@ -72,7 +72,7 @@ class TrainSetup:
         def native_bf16() -> bool:
             if device == "cuda":
                 return True
-            from qwenft.model import native_bf16 as probe
+            from qwenft.runtime import native_bf16 as probe
 
             return probe("cpu")
 
@@ -143,8 +143,8 @@ def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes:
 
 def head_bytes_training(arch: Architecture, setup: "TrainSetup") -> int:
     """Bytes per lm_head weight during training: an untied lm_head is kept in the 16-bit autocast dtype under
-    autocast (``qwenft.train.make_trainer``: the projection runs in it anyway), else it has the other dense weights'
-    dtype (fp32 after k-bit preparation, ``model.dtype`` for a 16-bit base)."""
+    autocast (``qwenft.train.trainer.make_trainer``: the projection runs in it anyway), else it has the other
+    dense weights' dtype (fp32 after k-bit preparation, ``model.dtype`` for a 16-bit base)."""
     if setup.amp and not arch.tie_word_embeddings:
         return 2
     return 4 if setup.nf4 else setup.model_bytes

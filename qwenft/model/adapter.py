@@ -1,4 +1,7 @@
-"""Which base an adapter belongs to: the ``qwenft.json`` that ``qwenft train`` writes beside every adapter.
+"""An adapter directory and what it records: ``qwenft.json`` (the base it was trained on, its quantization, LoRA
+and data), the check that a directory is one, and the rule for which base an adapter runs on.
+
+Which base an adapter belongs to: the ``qwenft.json`` that ``qwenft train`` writes beside every adapter.
 
 ``merge`` folds the adapter into that base (:func:`resolve_base`); ``eval``, ``generate`` and ``inspect`` load it
 under the adapter (:func:`inference_config`), so ``adapter=PATH`` alone runs on the model the adapter was trained on.
@@ -7,18 +10,91 @@ under the adapter (:func:`inference_config`), so ``adapter=PATH`` alone runs on 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
 from qwenft.config import (Config, ConfigError, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
                            TinyModelConfig)
-from qwenft.model import ADAPTER_META, read_adapter_meta
+from qwenft.files import atomic_write_text
+from qwenft.runtime import resolve_dtype
 
 log = logging.getLogger(__name__)
 
 
+def check_adapter_dir(adapter_dir: str) -> Path:
+    """The adapter directory as a Path; call it before loading a model so a typo fails at once.
+
+    Raises:
+        QwenftError: no adapter_config.json in ``adapter_dir`` (it is written by ``python -m qwenft train``).
+    """
+    path = Path(adapter_dir).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise QwenftError(f"adapter={adapter_dir!r}: no adapter_config.json there; an adapter directory is written "
+                          "by `python -m qwenft train` (<run dir>/adapter)")
+    return path
+
+
+ADAPTER_META = "qwenft.json"
+
+
+def save_adapter_meta(adapter_dir, config: Config) -> None:
+    """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
+
+    Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the
+    run name, the data sources (name and path) and the system prompt trained with (``data.system_prompt``); ``model.dtype`` and ``quant.compute_dtype`` are stored
+    resolved (``auto`` -> what this machine uses, :func:`resolve_dtype`). Written atomically (temp name, then
+    ``os.replace``). Call it in the training process.
+
+    Args:
+        adapter_dir: The adapter directory (the one holding adapter_config.json); created if missing.
+        config: The run's validated config.
+    """
+    import dataclasses
+
+    from qwenft import __version__
+
+    path = Path(adapter_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    # Record the dtypes this run resolved ("auto" depends on the machine; a merge must redo what training did).
+    model = dict(dataclasses.asdict(config.model), dtype=resolve_dtype(config.model.dtype))
+    quant = dict(dataclasses.asdict(config.quant), compute_dtype=resolve_dtype(config.quant.compute_dtype))
+    meta = {
+        "format": 1,
+        "qwenft_version": __version__,
+        "run_name": config.run_name,
+        "model": model,
+        "quant": quant,
+        "lora": dataclasses.asdict(config.lora),
+        "train": dataclasses.asdict(config.train),
+        "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],
+        "system_prompt": config.data.system_prompt,
+    }
+    atomic_write_text(path / ADAPTER_META, json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_adapter_meta(adapter_dir) -> Optional[dict]:
+    """The ``qwenft.json`` written by :func:`save_adapter_meta`, or None when the adapter has none.
+
+    Raises:
+        QwenftError: the file exists but is not a JSON object with a ``model`` entry.
+    """
+    path = Path(adapter_dir).expanduser() / ADAPTER_META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QwenftError(f"{path}: not readable as JSON ({exc}); it is written by `python -m qwenft train`") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise QwenftError(f"{path}: no 'model' entry; it is written by `python -m qwenft train`")
+    return meta
+
+
 MODEL_IDENTITY_KEYS = ("source", "path", "revision", "tiny")  # what names the weights under model.*
+
+
 QUANT_TRAINED_KEYS = ("method", "double_quant", "compute_dtype")  # how the adapter's base was quantized
 
 

@@ -256,7 +256,7 @@ def inspect_command(config: Config) -> Dict[str, Any]:
 
     import torch
 
-    from qwenft.adapter_base import inference_config
+    from qwenft.model.adapter import inference_config
     from qwenft.model import load_adapter, load_model, read_adapter_meta
     from qwenft.plan import Architecture, kv_cache_bytes, resolve_architecture, write_json
 

@@ -23,41 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from qwenft.config import Config, ConfigError, QwenftError
+from qwenft.config import Config, QwenftError
 from qwenft.files import atomic_write_text, publish_tree, staging_dir
+from qwenft.train.trainer import _on_cuda, make_trainer
 
-log = logging.getLogger(__name__)
-
-
-class NonFiniteError(QwenftError):
-    """The loss or a gradient became NaN/inf; the run stops, the last good checkpoint stays."""
-
-
-def _precision(config: Config, model) -> Dict[str, bool]:
-    import torch
-
-    from qwenft.model import native_bf16, resolve_dtype
-
-    choice = config.train.precision
-    device = str(next(model.parameters()).device)
-    if choice == "auto":  # bf16 autocast only where bf16 is native: elsewhere it is far slower than fp32
-        compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
-        choice = "bf16" if resolve_dtype(compute, device) == "bfloat16" and native_bf16(device) else "fp32"
-    if choice == "fp16":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.precision='fp16' needs a CUDA device; use bf16 or fp32 on a CPU")
-        log.warning("fp16 training can overflow on Qwen2 (NaN loss); bf16 is preferred where supported")
-    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
-
-
-def _optim(config: Config) -> str:
-    import torch
-
-    if config.train.optim != "auto":
-        return config.train.optim
-    if config.dist.strategy in ("fsdp", "deepspeed"):  # bitsandbytes' paged states do not shard (peft's caveats)
-        return "adamw_torch"
-    return "paged_adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+log = logging.getLogger("qwenft.train")
 
 
 def _wandb_env(config: Config) -> None:
@@ -72,80 +42,6 @@ def _wandb_env(config: Config) -> None:
         netrc = Path.home() / ".netrc"
         if not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")):
             os.environ["WANDB_MODE"] = "offline"
-
-
-def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bool):
-    """Map ``config.train`` and ``config.dist`` onto ``transformers.TrainingArguments``."""
-    from transformers import TrainingArguments
-
-    from qwenft.dist import training_kwargs
-
-    t = config.train
-    return TrainingArguments(
-        output_dir=str(checkpoint_dir), run_name=Path(config.out_dir).name,
-        learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,  # < 1: a ratio
-        num_train_epochs=t.epochs, max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.grad_accum,
-        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, optim=_optim(config),
-        seed=t.seed, data_seed=t.seed, save_strategy="steps", save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit, eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
-        logging_strategy="steps", logging_steps=t.logging_steps, logging_first_step=True,
-        logging_nan_inf_filter=False,  # a NaN must be seen (and stop the run), never averaged away
-        neftune_noise_alpha=t.neftune_noise_alpha, report_to=["wandb"] if config.logger == "wandb" else [],
-        remove_unused_columns=False, label_names=["labels"], activation_checkpointing=False,  # set up in attach_lora
-        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **_precision(config, model),
-        **training_kwargs(config, _on_cuda(model)))
-
-
-def torch_dtype_of(args):
-    """The autocast dtype of ``TrainingArguments`` (bf16 or fp16), or None."""
-    import torch
-
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-
-
-def head_to_autocast_dtype(model, dtype) -> bool:
-    """Keep a frozen, untied fp32 ``lm_head`` in the autocast dtype ``dtype``.
-
-    Under autocast the vocabulary projection runs in ``dtype`` anyway; peft's k-bit preparation upcast the weight to
-    fp32 (2.2 GB for Qwen2.5-7B's 152064 x 3584), which autocast would cast back on every step (a 1.1 GB copy). The
-    values are unchanged (a 16-bit checkpoint's weight went 16 -> 32 -> 16 bits). A tied lm_head (it is the input
-    embedding: casting it would change the residual stream's dtype) or a trainable one is left alone.
-
-    Returns:
-        Whether the weight was cast.
-    """
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head, embed = causal.get_output_embeddings(), causal.get_input_embeddings()
-    if head is None or head.weight is embed.weight or head.weight.requires_grad or head.weight.dtype == dtype:
-        return False
-    head.to(dtype)
-    return True
-
-
-def _on_cuda(model) -> bool:
-    return next(model.parameters()).device.type == "cuda"
-
-
-def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path):
-    """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator and callbacks."""
-    from qwenft.data import DataCollator
-    from qwenft.kernels import resolve_kernels
-    from qwenft.train_callbacks import ProgressBarCallback, QwenftTrainer
-
-    has_eval = bundle.eval is not None and len(bundle.eval) > 0
-    args = training_arguments(config, model, checkpoint_dir, has_eval)
-    if args.bf16 or args.fp16:
-        head_to_autocast_dtype(model, torch_dtype_of(args))
-    trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
-                            eval_dataset=bundle.eval if has_eval else None,
-                            # flash-attention honours packed boundaries only in one flattened row
-                            data_collator=DataCollator(tokenizer, flatten=config.data.packing and
-                                                       config.model.attn_implementation == "flash_attention_2"))
-    trainer.add_callback(ProgressBarCallback())
-    trainer.qwenft_config = config
-    trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
-    return trainer
 
 
 def find_resume_checkpoint(config: Config, checkpoint_dir: Path) -> Optional[str]:
@@ -313,7 +209,7 @@ def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict
 def run(config: Config) -> Path:
     """``qwenft train``: load, attach LoRA, build data, train, save the adapter, then evaluate.
 
-    Under a distributed launch (``torchrun`` / ``accelerate launch``, see :mod:`qwenft.dist`) every rank runs this
+    Under a distributed launch (``torchrun`` / ``accelerate launch``, see :mod:`qwenft.train.dist`) every rank runs this
     function: each loads its model copy on its own device and builds the same data (rank 0 first), the Trainer
     runs DDP / FSDP / DeepSpeed, and only rank 0 writes config.yaml, adapter/, metrics.json and the report. The
     evaluation after training runs on rank 0 alone, after the other ranks have left (with FSDP / ZeRO-3, whose
@@ -332,7 +228,8 @@ def run(config: Config) -> Path:
     from qwenft import data as data_lib
     from qwenft import dist
     from qwenft.kernels import apply_kernels, resolve_kernels
-    from qwenft.model import attach_lora, default_device, load_model, load_tokenizer, resolve_model_dir
+    from qwenft.model import attach_lora, load_model, load_tokenizer, resolve_model_dir
+    from qwenft.runtime import default_device
 
     if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
         from qwenft.evaluate.run import check_ppl_sources, generate_preset

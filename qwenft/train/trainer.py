@@ -1,4 +1,6 @@
-"""The Trainer subclass and callbacks behind ``qwenft train``: atomic checkpoints, NaN guard, progress."""
+"""The Trainer behind ``qwenft train``: :class:`QwenftTrainer` (atomic checkpoints, NaN guard, the loss under
+autocast without a logits tensor) and :func:`make_trainer`, which maps the config onto transformers'
+``TrainingArguments``."""
 
 from __future__ import annotations
 
@@ -11,14 +13,123 @@ import time
 from typing import Any, Dict, Optional
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from qwenft.files import publish_tree
-from qwenft.train import NonFiniteError
+
+from pathlib import Path
+
+from qwenft.config import Config, ConfigError, QwenftError
 
 log = logging.getLogger("qwenft.train")
+
+
+class NonFiniteError(QwenftError):
+    """The loss or a gradient became NaN/inf; the run stops, the last good checkpoint stays."""
+
+
+def _precision(config: Config, model) -> Dict[str, bool]:
+    import torch
+
+    from qwenft.runtime import native_bf16, resolve_dtype
+
+    choice = config.train.precision
+    device = str(next(model.parameters()).device)
+    if choice == "auto":  # bf16 autocast only where bf16 is native: elsewhere it is far slower than fp32
+        compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
+        choice = "bf16" if resolve_dtype(compute, device) == "bfloat16" and native_bf16(device) else "fp32"
+    if choice == "fp16":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.precision='fp16' needs a CUDA device; use bf16 or fp32 on a CPU")
+        log.warning("fp16 training can overflow on Qwen2 (NaN loss); bf16 is preferred where supported")
+    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+
+
+def _optim(config: Config) -> str:
+    import torch
+
+    if config.train.optim != "auto":
+        return config.train.optim
+    if config.dist.strategy in ("fsdp", "deepspeed"):  # bitsandbytes' paged states do not shard (peft's caveats)
+        return "adamw_torch"
+    return "paged_adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+
+
+def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bool):
+    """Map ``config.train`` and ``config.dist`` onto ``transformers.TrainingArguments``."""
+    from transformers import TrainingArguments
+
+    from qwenft.train.dist import training_kwargs
+
+    t = config.train
+    return TrainingArguments(
+        output_dir=str(checkpoint_dir), run_name=Path(config.out_dir).name,
+        learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,  # < 1: a ratio
+        num_train_epochs=t.epochs, max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.grad_accum,
+        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, optim=_optim(config),
+        seed=t.seed, data_seed=t.seed, save_strategy="steps", save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit, eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
+        logging_strategy="steps", logging_steps=t.logging_steps, logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN must be seen (and stop the run), never averaged away
+        neftune_noise_alpha=t.neftune_noise_alpha, report_to=["wandb"] if config.logger == "wandb" else [],
+        remove_unused_columns=False, label_names=["labels"], activation_checkpointing=False,  # set up in attach_lora
+        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **_precision(config, model),
+        **training_kwargs(config, _on_cuda(model)))
+
+
+def torch_dtype_of(args):
+    """The autocast dtype of ``TrainingArguments`` (bf16 or fp16), or None."""
+    import torch
+
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def head_to_autocast_dtype(model, dtype) -> bool:
+    """Keep a frozen, untied fp32 ``lm_head`` in the autocast dtype ``dtype``.
+
+    Under autocast the vocabulary projection runs in ``dtype`` anyway; peft's k-bit preparation upcast the weight to
+    fp32 (2.2 GB for Qwen2.5-7B's 152064 x 3584), which autocast would cast back on every step (a 1.1 GB copy). The
+    values are unchanged (a 16-bit checkpoint's weight went 16 -> 32 -> 16 bits). A tied lm_head (it is the input
+    embedding: casting it would change the residual stream's dtype) or a trainable one is left alone.
+
+    Returns:
+        Whether the weight was cast.
+    """
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head, embed = causal.get_output_embeddings(), causal.get_input_embeddings()
+    if head is None or head.weight is embed.weight or head.weight.requires_grad or head.weight.dtype == dtype:
+        return False
+    head.to(dtype)
+    return True
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
+def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path):
+    """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator and callbacks."""
+    from qwenft.data import DataCollator
+    from qwenft.kernels import resolve_kernels
+    from qwenft.train.callbacks import ProgressBarCallback
+    from qwenft.train.trainer import QwenftTrainer
+
+    has_eval = bundle.eval is not None and len(bundle.eval) > 0
+    args = training_arguments(config, model, checkpoint_dir, has_eval)
+    if args.bf16 or args.fp16:
+        head_to_autocast_dtype(model, torch_dtype_of(args))
+    trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
+                            eval_dataset=bundle.eval if has_eval else None,
+                            # flash-attention honours packed boundaries only in one flattened row
+                            data_collator=DataCollator(tokenizer, flatten=config.data.packing and
+                                                       config.model.attn_implementation == "flash_attention_2"))
+    trainer.add_callback(ProgressBarCallback())
+    trainer.qwenft_config = config
+    trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
+    return trainer
 
 
 class QwenftTrainer(Trainer):
@@ -53,11 +164,11 @@ class QwenftTrainer(Trainer):
           they are called directly here: without it the LoRA and vocabulary GEMMs ran in fp32 and SDPA fell back to
           its math path on CUDA;
         - the vocabulary projection and cross-entropy run on the supervised positions only, in chunks, with the
-          hidden-state gradient computed as they go (:func:`qwenft.loss.fused_loss`: Liger's fused linear
-          cross-entropy with ``train.kernels=liger``, else :func:`qwenft.loss.linear_cross_entropy`), so no
+          hidden-state gradient computed as they go (:func:`qwenft.train.loss.fused_loss`: Liger's fused linear
+          cross-entropy with ``train.kernels=liger``, else :func:`qwenft.train.loss.linear_cross_entropy`), so no
           ``[tokens, vocab]`` logits tensor is ever held (Qwen2.5: 0.6 MB of fp32 per token).
         """
-        from qwenft.loss import supervised_loss_sum
+        from qwenft.train.loss import supervised_loss_sum
 
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(causal, "model", None) is None or getattr(causal, "lm_head", None) is None or "labels" not in inputs:
@@ -140,39 +251,3 @@ class QwenftTrainer(Trainer):
         if "eval_loss" in logs:
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
         super().log(logs, start_time)
-
-
-class ProgressBarCallback(TrainerCallback):
-    """A tqdm bar over optimizer steps with loss, lr and tokens/s (ETA from tqdm); eval results as lines."""
-
-    def __init__(self) -> None:
-        self.bar = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        from tqdm.auto import tqdm
-
-        if state.is_world_process_zero:
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                            dynamic_ncols=True)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        if "loss" in logs:
-            postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0):.2e}"}
-            if "tokens_per_s" in logs:
-                postfix["tok/s"] = f"{logs['tokens_per_s']:.0f}"
-            if self.bar is not None:
-                self.bar.set_postfix(postfix)
-            log.info("step %d: %s", state.global_step, " ".join(f"{k}={v}" for k, v in postfix.items()))
-        if "eval_loss" in logs:
-            log.info("step %d: eval_loss=%.4f eval_perplexity=%.3f", state.global_step, logs["eval_loss"],
-                     logs["eval_perplexity"])
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None

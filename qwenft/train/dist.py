@@ -27,40 +27,17 @@ import contextlib
 import copy
 import importlib.util
 import logging
-import os
 from typing import Any, Dict, Iterator, List
 
 from qwenft.config import Config, ConfigError, DistConfig, QwenftError
+from qwenft.model.load import check_attention
+from qwenft.runtime import is_main_process, launched, local_rank, rank, world_size
 
 log = logging.getLogger(__name__)
 
+
 # Commands that load a model (and so need the attention implementation they ask for).
 MODEL_COMMANDS = ("train", "eval", "generate", "merge", "inspect")
-
-
-def world_size() -> int:
-    """Number of processes of the launch (``WORLD_SIZE``; 1 without a launcher)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    """Global rank of this process (``RANK``; 0 without a launcher)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def local_rank() -> int:
-    """Rank on this machine (``LOCAL_RANK``): the GPU index this process trains on."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def is_main_process() -> bool:
-    """True on rank 0, the only process that writes qwenft's files."""
-    return rank() == 0
-
-
-def launched() -> bool:
-    """Whether a distributed launcher started this process (``LOCAL_RANK`` is set, even with one process)."""
-    return "LOCAL_RANK" in os.environ
 
 
 def resolve_strategy(dcfg: DistConfig) -> str:
@@ -207,26 +184,6 @@ def launch_overrides(config: Config, multirun: bool) -> List[str]:
     return extra
 
 
-def check_attention(attn_implementation: str, device: str) -> None:
-    """Check that ``model.attn_implementation`` can run on ``device``.
-
-    ``flash_attention_2`` needs the flash-attn package and a CUDA device; ``sdpa`` and ``eager`` run anywhere.
-
-    Raises:
-        QwenftError: one line saying what is missing and what to use instead.
-    """
-    if attn_implementation != "flash_attention_2":
-        return
-    missing = []
-    if importlib.util.find_spec("flash_attn") is None:
-        missing.append("the flash-attn package (pip install flash-attn --no-build-isolation), which is not installed")
-    if not str(device).startswith("cuda"):
-        missing.append(f"a CUDA GPU (this run is on {device})")
-    if missing:
-        raise QwenftError(f"model.attn_implementation=flash_attention_2 needs {' and '.join(missing)}; use sdpa "
-                          "(the default) or eager")
-
-
 def check_strategy(config: Config, cuda: bool) -> None:
     """Check that ``dist`` can run here: its package, its device and its launcher.
 
@@ -265,7 +222,7 @@ def preflight(config: Config, command: str) -> None:
         command == "train" and (config.dist.strategy != "none" or world_size() > 1 or config.train.kernels == "liger"))
     if not needs_gpu_check:
         return  # the common case imports no torch
-    from qwenft.model import default_device
+    from qwenft.runtime import default_device
 
     device = default_device()
     if command in MODEL_COMMANDS:
@@ -300,4 +257,3 @@ def describe(config: Config) -> str:
     how = f"{strategy} (dist={config.dist.name})" if strategy == config.dist.strategy else f"{strategy} (dist=none " \
         "under a launch of several processes)"
     return f"{how}, {world_size()} process(es), this is rank {rank()} (local {local_rank()})"
-

@@ -92,7 +92,7 @@ def build_model(tcfg: TinyModelConfig, tokenizer):
 
 def tiny_model_dir(tcfg: TinyModelConfig) -> Path:
     """Build (once per shape and seed) and return the cached HF directory of the tiny-random model."""
-    from qwenft.model import cache_dir
+    from qwenft.runtime import cache_dir
 
     key = hashlib.sha256(json.dumps(dataclasses.asdict(tcfg), sort_keys=True).encode()).hexdigest()[:16]
     final = cache_dir() / "tiny-random" / key

@@ -1,0 +1,33 @@
+"""Chat facts of Qwen2.5: its special tokens and the ids a generation must stop on.
+
+Instruct models end a turn with ``<|im_end|>`` (151645); ``<|endoftext|>`` (151643) is the base model's end and the
+pad token. The chat template itself ships with the tokenizer (ChatML; ``apply_chat_template``).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+IM_END = "<|im_end|>"
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> List[int]:
+    """End-of-sequence ids: the generation_config's EOS list plus ``<|im_end|>`` and ``<|endoftext|>``.
+
+    A base model's generation_config names only ``<|endoftext|>`` while ChatML turns end with
+    ``<|im_end|>``; a fine-tuned model must stop on both.
+    """
+    ids: List[int] = []
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    for value in ([eos] if isinstance(eos, int) else list(eos or [])):
+        if value is not None and value not in ids:
+            ids.append(int(value))
+    vocab = tokenizer.get_vocab()
+    for token in (IM_END, END_OF_TEXT):
+        if token in vocab and vocab[token] not in ids:
+            ids.append(vocab[token])
+    return ids

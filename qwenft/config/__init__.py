@@ -1,0 +1,28 @@
+"""The typed schema every qwenft config is validated against.
+
+Hydra composes ``conf/config.yaml`` (plus ``+recipe=NAME`` and overrides) on top of :class:`Config`,
+registered in Hydra's ConfigStore as ``qwenft_schema``; the composed config is then turned into
+these dataclasses once, at the entry point, with :func:`to_config`. Library code only ever sees the
+dataclasses. Value checks live in ``__post_init__`` and raise :class:`ConfigError` naming the key.
+
+The defaults below are the single place a default is written; the YAML presets under ``conf/``
+only hold what makes a preset different.
+
+Modules: :mod:`~qwenft.config.base` (errors, checks), :mod:`~qwenft.config.model` (model, quant, lora),
+:mod:`~qwenft.config.data` (data), :mod:`~qwenft.config.run` (train ... dist, :class:`Config`),
+:mod:`~qwenft.config.load` (:func:`to_config`). This room imports nothing of qwenft but itself; every other room
+may import it.
+"""
+
+from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, QwenftError
+from qwenft.config.data import FORMAT_FIELDS, DataConfig, DataSource
+from qwenft.config.load import escape_interpolations, omegaconf_message, project_root, to_config, unknown_key_message
+from qwenft.config.model import ROPE_TYPES, LoraConfig, ModelConfig, QuantConfig, RopeScalingConfig, TinyModelConfig
+from qwenft.config.run import (DIST_STRATEGIES, QUANT_STORAGE, Config, DistConfig, EvalConfig, GenerateConfig,
+                               InspectConfig, MergeConfig, PlanConfig, TrainConfig, WandbConfig)
+
+__all__ = ["ALL_TARGETS", "COMMANDS", "Config", "ConfigError", "DIST_STRATEGIES", "DataConfig", "DataSource",
+           "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GenerateConfig", "InspectConfig", "LoraConfig",
+           "MergeConfig", "ModelConfig", "PlanConfig", "QUANT_STORAGE", "QuantConfig", "QwenftError", "ROPE_TYPES",
+           "RopeScalingConfig", "TinyModelConfig", "TrainConfig", "WandbConfig", "escape_interpolations",
+           "omegaconf_message", "project_root", "to_config", "unknown_key_message"]

@@ -1,0 +1,29 @@
+"""Errors, the command names, the LoRA target names and the value checks every config section uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+COMMANDS = ("train", "eval", "generate", "merge", "data", "inspect", "plan")
+
+
+class QwenftError(Exception):
+    """A user-facing error (bad config, bad data, missing file): the CLI prints it as one line, exit 2."""
+
+
+class ConfigError(QwenftError, ValueError):
+    """A configuration error; the message names the key and what is accepted."""
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
+
+
+def _check(cond: bool, key: str, value: Any, accepted: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r} is not accepted; {accepted}")

@@ -1,0 +1,81 @@
+"""Config section of the training data (``data``): its sources, lengths, masking and mixing settings."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from qwenft.config.base import _check, _check_choice
+
+
+# The fields each data format reads; ``data.sources[].columns`` maps them onto the file's own field names.
+FORMAT_FIELDS = {
+    "alpaca": ("instruction", "input", "output", "system", "history"),
+    "messages": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value", "system"),
+    "text": ("text",),
+}
+
+
+@dataclass
+class DataSource:
+    """One dataset of the training mix (see ``qwenft.data``).
+
+    ``eval_by``: a field of the file's rows (e.g. ``fact``); when set, the ``eval_rows`` held out are
+    spread over its distinct values (one row per value before a second one), instead of drawn at random.
+    ``replace``: placeholder name -> text; every ``{{name}}`` in the rows' texts is replaced before use.
+    """
+
+    name: str = "source"
+    path: str = ""
+    format: str = "alpaca"
+    columns: Dict[str, str] = field(default_factory=dict)
+    weight: float = 1.0
+    max_rows: Optional[int] = None
+    eval_rows: int = 0
+    subset: Optional[str] = None
+    split: str = "train"
+    eval_by: Optional[str] = None
+    replace: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice(f"data.sources[{self.name}].format", self.format, tuple(FORMAT_FIELDS))
+        for key, value in self.replace.items():
+            _check(re.fullmatch(r"[^\W\d]\w*", str(key)) is not None and isinstance(value, str),
+                   f"data.sources[{self.name}].replace.{key}", value,
+                   "needs a placeholder name (letters, digits, _) and a text: replace={name: Ada} fills {{name}}")
+        for key in self.columns:
+            _check_choice(f"data.sources[{self.name}].columns.{key}", key, FORMAT_FIELDS[self.format])
+        _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
+        _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
+               "must be a positive integer or null")
+        _check(self.eval_rows >= 0, f"data.sources[{self.name}].eval_rows", self.eval_rows, "must be >= 0")
+        _check(bool(self.path) and self.path != "???", f"data.sources[{self.name}].path", self.path,
+               "must be set: data.sources.N.path=FILE (N: the source's index, from 0)")
+
+
+@dataclass
+class DataConfig:
+    """The training data: sources mixed by weight, templated, tokenized and masked."""
+
+    sources: List[DataSource] = field(default_factory=list)
+    max_seq_len: int = 1024
+    overlong: str = "truncate"
+    packing: bool = False
+    train_on: str = "assistant"
+    system_prompt: Optional[str] = None
+    on_bad_row: str = "error"
+    seed: int = 0
+    num_proc: int = 1
+    cache: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "must be >= 8 tokens")
+        _check_choice("data.overlong", self.overlong, ("truncate", "drop"))
+        _check_choice("data.train_on", self.train_on, ("assistant", "last_assistant", "all"))
+        _check_choice("data.on_bad_row", self.on_bad_row, ("error", "skip"))
+        _check(self.num_proc >= 1, "data.num_proc", self.num_proc, "must be >= 1")
+        if self.sources:
+            names = [s.name for s in self.sources]
+            _check(len(set(names)) == len(names), "data.sources.name", names, "source names must be distinct")

@@ -1,0 +1,146 @@
+"""From Hydra's composed ``DictConfig`` to the typed :class:`~qwenft.config.Config`, once, at the entry: unknown
+keys named with the key meant, OmegaConf's messages in one line, literal ``${`` kept."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, List
+
+from qwenft.config.base import ConfigError
+from qwenft.config.run import Config
+
+
+def project_root() -> str:
+    """The checkout qwenft runs from (holds conf/, recipes/, data/)."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[1])
+
+
+def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:
+    """Keys of the (container) ``node`` that ``schema_type`` does not define, as dotted paths."""
+    from omegaconf import DictConfig, ListConfig
+
+    found: List[str] = []
+    if node._is_none() or node._is_missing():
+        return found
+    if dataclasses.is_dataclass(schema_type) and isinstance(node, DictConfig):
+        fields = {f.name: f for f in dataclasses.fields(schema_type)}
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in fields:
+                found.append(unknown_key_message(path))
+                continue
+            child_type = _field_type(schema_type, str(key))
+            found.extend(_unknown_keys(node._get_node(key), child_type, path))
+    elif isinstance(node, ListConfig) and getattr(schema_type, "__origin__", None) in (list, List):
+        (item_type,) = schema_type.__args__
+        for i, item in enumerate(node._iter_ex(resolve=False)):
+            found.extend(_unknown_keys(node._get_node(i), item_type, f"{prefix}[{i}]"))
+    return found
+
+
+# Names other tools use for a key (peft, transformers' TrainingArguments, torchtune, axolotl) -> qwenft's name.
+KEY_ALIASES = {"rank": "r", "lora_r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+               "learning_rate": "lr", "num_train_epochs": "epochs", "num_epochs": "epochs",
+               "per_device_train_batch_size": "batch_size", "micro_batch_size": "batch_size",
+               "gradient_accumulation": "grad_accum", "gradient_accumulation_steps": "grad_accum",
+               "max_length": "max_seq_len", "sequence_len": "max_seq_len", "seq_len": "max_seq_len",
+               "max_tokens": "max_new_tokens", "topk": "top_k", "topp": "top_p", "minp": "min_p"}
+
+
+def unknown_key_message(path: str) -> str:
+    """One line for a key the schema does not define: a likely intended key (another tool's name for it, or a
+    close spelling) and the keys accepted at that level, e.g. ``unknown key 'lora.alpha'; did you mean
+    lora.lora_alpha? accepted keys in lora: r, lora_alpha, ...``."""
+    import difflib
+
+    parts = [p for p in re.split(r"\.|(?=\[)", path) if p]  # data.sources[0].x -> data, sources, [0], x
+    cls: Any = Config
+    for part in parts[:-1]:
+        if part.startswith("[") or part.isdigit():  # a list index: the item type
+            cls = cls.__args__[0] if getattr(cls, "__origin__", None) in (list, List) else None
+            continue
+        if not dataclasses.is_dataclass(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
+            return f"unknown key '{path}'"
+        cls = _field_type(cls, part)
+    if not dataclasses.is_dataclass(cls):
+        return f"unknown key '{path}'"
+    names = [f.name for f in dataclasses.fields(cls)]
+    last = parts[-1]
+    if cls is Config:  # a bare key: the section that has it (lr -> train.lr)
+        wanted = KEY_ALIASES.get(last, last)
+        sections = {n: _field_type(Config, n) for n in names if dataclasses.is_dataclass(_field_type(Config, n))}
+        homes = [f"{n}.{wanted}" for n, t in sections.items() if wanted in {f.name for f in dataclasses.fields(t)}]
+        if homes:
+            return (f"unknown key '{path}' (did you mean {' or '.join(homes)}?); keys live in sections: "
+                    f"{', '.join(sections)}")
+    prefix = path[: len(path) - len(last)].rstrip(".")
+    guess = KEY_ALIASES.get(last) if KEY_ALIASES.get(last) in names else None
+    guess = guess or next(iter(difflib.get_close_matches(last, names, n=1, cutoff=0.6)), None)
+    hint = f" (did you mean {prefix + '.' if prefix else ''}{guess}?)" if guess else ""
+    return f"unknown key '{path}'{hint}; accepted keys{' in ' + prefix if prefix else ''}: {', '.join(names)}"
+
+
+def _field_type(cls: Any, name: str) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    hint = hints[name]
+    # Optional[X] -> X
+    if getattr(hint, "__origin__", None) is typing.Union:
+        args = [a for a in hint.__args__ if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    return hint
+
+
+def escape_interpolations(tree: Any) -> Any:
+    """Escape ``${`` in already-resolved strings, so the structured merge does not resolve them a second time.
+
+    After ``to_container(resolve=True)`` a ``${`` left in a string is literal text (e.g. a prompt about shell
+    variables); OmegaConf reads ``\\${`` as a literal ``${``.
+    """
+    if isinstance(tree, dict):
+        return {key: escape_interpolations(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [escape_interpolations(value) for value in tree]
+    if isinstance(tree, str) and "${" in tree:  # backslashes right before it pair up in OmegaConf's grammar
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", tree)
+    return tree
+
+
+def to_config(cfg: Any) -> Config:
+    """Validate a composed OmegaConf config and convert it to :class:`Config`.
+
+    Rejects keys the schema does not define however they arrived (``+key=value`` included), wrong
+    types and impossible values.
+
+    Raises:
+        ConfigError: with one line naming the offending key and what is accepted.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    problems = _unknown_keys(cfg, Config, "")
+    if problems:
+        raise ConfigError(problems[0])
+    try:
+        plain = escape_interpolations(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:  # type errors from the structured merge
+        raise ConfigError(omegaconf_message(exc)) from None
+
+
+def omegaconf_message(exc: BaseException) -> str:
+    """One line from an OmegaConf error: the full key and the reason."""
+    key = getattr(exc, "full_key", None)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if key and re.match(r"Key '[^']*' (is )?not in", first):  # an unknown key: suggest the intended one
+        return unknown_key_message(str(key))
+    if key:
+        return f"{key}: {first}"
+    return first
