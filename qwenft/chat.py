@@ -15,6 +15,9 @@ END_OF_TEXT = "<|endoftext|>"
 IM_END = "<|im_end|>"
 
 
+IM_START = "<|im_start|>"  # opens a ChatML turn: <|im_start|>role\ncontent<|im_end|>\n
+
+
 def stop_token_ids(tokenizer, generation_config=None) -> List[int]:
     """End-of-sequence ids: the generation_config's EOS list plus ``<|im_end|>`` and ``<|endoftext|>``.
 
@@ -31,3 +34,14 @@ def stop_token_ids(tokenizer, generation_config=None) -> List[int]:
         if token in vocab and vocab[token] not in ids:
             ids.append(vocab[token])
     return ids
+
+
+def set_end_tokens(model, tokenizer) -> None:
+    """Make ``model`` stop on every end token and pad with the tokenizer's pad id: its ``generation_config`` gets
+    the :func:`stop_token_ids` list and ``pad_token_id``, its config the pad id. Used on every loaded model and on
+    every merged model before it is saved, so a tuned model stops on ``<|im_end|>`` as well as ``<|endoftext|>``.
+    """
+    gen = model.generation_config
+    gen.eos_token_id = stop_token_ids(tokenizer, gen)
+    gen.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id

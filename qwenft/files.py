@@ -96,3 +96,35 @@ def staging_dir(parent: PathLike, prefix: str = ".tmp-") -> Path:
     work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     publish_mode(work)
     return work
+
+
+def publish_dir(built: PathLike, final: PathLike, replace: bool = True) -> Path:
+    """Rename the finished folder ``built`` (made with :func:`staging_dir` beside ``final``) to ``final``, its
+    files given ordinary permissions first (:func:`publish_tree`).
+
+    An existing ``final`` is replaced when ``replace`` (moved aside, then removed: ``final`` is never missing or
+    half-written); otherwise it is kept and ``built`` dropped (another process finished the same thing first).
+
+    Returns:
+        ``final`` as a Path.
+    """
+    import shutil
+
+    built, final = Path(built), Path(final)
+    publish_tree(built)
+    if final.exists():
+        if not replace:
+            shutil.rmtree(built, ignore_errors=True)
+            return final
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(built, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+    try:
+        os.replace(built, final)
+    except OSError:
+        if replace or not final.exists():
+            raise
+        shutil.rmtree(built, ignore_errors=True)  # finished by another process in the meantime
+    return final

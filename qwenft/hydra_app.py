@@ -38,6 +38,8 @@ def fail(message: str, code: int = 2) -> "None":
 
 
 def _parse_hydra_args(args: Sequence[str]):
+    # Hydra has no public API for its command line: its own parser (hydra._internal.utils in Hydra 1.3) is the only
+    # way to read its flags exactly as @hydra.main will; private, so used here alone.
     from hydra._internal.utils import get_args_parser
 
     # intermixed: Hydra's flags may come anywhere among the overrides (`train +recipe=x -m lora.r=8,16`)
@@ -61,32 +63,21 @@ def _recipe_problem(overrides: Sequence[str]) -> Optional[str]:
 
 def _compose_message(exc: BaseException) -> str:
     """Turn a Hydra / OmegaConf composition error into one line naming the key."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
 
     text = str(exc).strip()
-    if isinstance(exc, MissingConfigException):
-        # "In 'config': Could not find 'quant/nf3'\n\nAvailable options in 'quant':\n\tnf4\n\tnone\nConfig search path:..."
-        lines = text.splitlines()
-        first = lines[0].strip() if lines else type(exc).__name__
-        options, listing = [], False
-        for line in lines[1:]:
-            if line.startswith("Available options"):
-                listing = True
-            elif listing and line.startswith("\t"):
-                options.append(line.strip())
-            elif listing:
-                break
-        missing = first.split("Could not find")[-1].strip(" '\"")
-        group, _, option = missing.partition("/")
-        if option and options:
-            return f"{group}={option} is not accepted; choose one of: {', '.join(options)}"
+    first = text.splitlines()[0].strip() if text else type(exc).__name__
+    if isinstance(exc, MissingConfigException):  # e.g. quant=nf3: missing_cfg_file 'quant/nf3', options of 'quant'
+        group, _, option = (exc.missing_cfg_file or "").partition("/")
+        if option and exc.options:
+            return f"{group}={option} is not accepted; choose one of: {', '.join(exc.options)}"
         return first
     cause = exc.__cause__ or exc.__context__
-    if cause is not None and type(cause).__module__.startswith("omegaconf"):
+    if isinstance(cause, OmegaConfBaseException):
         return omegaconf_message(cause)
-    first = text.splitlines()[0] if text else type(exc).__name__
-    if first.startswith("LexerNoViableAltException:"):  # "LexerNoViableAltException: KEY=VALUE"
-        override = first.split(":", 1)[1].strip()
+    if isinstance(exc, OverrideParseException) and lexer_refused(exc):
+        override = exc.override.strip()
         key, _, value = override.partition("=")
         if value.startswith(("[", "{")):
             return (f"{override}: Hydra cannot read this value; quote each text item inside it, e.g. "
@@ -94,12 +85,47 @@ def _compose_message(exc: BaseException) -> str:
         if value:  # Hydra's grammar takes unquoted values of letters, digits and a few symbols only
             return (f"{override}: Hydra cannot read this value unquoted; quote it for Hydra inside the shell's "
                     f"quotes: \"{key}='{value}'\"")
-    ambiguous = re.match(r"Ambiguous value for argument '(([^=']+)=(.*))'$", first)
-    if ambiguous:  # a comma outside -m: Hydra will not guess between a list, a text and a sweep
-        override, key, value = ambiguous.groups()
-        return (f"{override}: a comma makes this a sweep; quote a value holding a comma (\"{key}='{value}'\"), "
-                f"write a list as {key}=[{value}], or add -m to run one job per value")
     return first.replace("Error merging override ", "")
+
+
+def lexer_refused(exc) -> bool:
+    """Whether Hydra's override parser refused ``exc.override`` in its lexer (a character its grammar has no token
+    for: non-ASCII text, most punctuation unquoted), not in its parser (a misplaced bracket, ...).
+
+    Only the message tells: Hydra 1.3's ``OverridesParser.parse_overrides`` words a lexer failure
+    ``LexerNoViableAltException: <override>`` and drops the antlr exception it came from.
+    """
+    return str(getattr(exc, "message", "")).startswith("LexerNoViableAltException:")
+
+
+def sweep_message(override) -> str:
+    """The one line for a comma sweep (``key=a,b``, a parsed Hydra ``Override``) given without ``-m``, which Hydra
+    refuses as ambiguous (a list, a text or a sweep)."""
+    key, _, value = override.input_line.partition("=")
+    return (f"{override.input_line}: a comma makes this a sweep; quote a value holding a comma (\"{key}='{value}'\"), "
+            f"write a list as {key}=[{value}], or add -m to run one job per value")
+
+
+def sweep_grid(overrides) -> List[List[str]]:
+    """The jobs of a multirun over the parsed Hydra ``Override`` objects, in Hydra's order (its basic sweeper's:
+    the cartesian product of each key's values, keys in first-seen order, a repeated key's last value winning), so
+    job N is the one Hydra runs in ``out_dir/N``.
+
+    Raises:
+        ConfigError: a sweep the basic sweeper cannot run (an ``interval(...)``), with Hydra's wording.
+    """
+    import itertools
+
+    values: Dict[str, List[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise ConfigError(f"BasicSweeper does not support sweep type : {override.value_type.name}")
+    return [list(point) for point in itertools.product(*values.values())]
 
 
 _FREE_FORM = re.compile(r"^(data\.sources\.\d+\.(columns|replace)|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
@@ -160,7 +186,9 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
         ConfigError: one line naming the offending key.
     """
     from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.global_hydra import GlobalHydra  # clear(): what Hydra's own "already initialized" error asks for
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # Hydra's plugin API
+    from hydra.core.override_parser.types import ValueType
 
     problem = _recipe_problem(overrides)
     if problem:
@@ -171,16 +199,21 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
             raise ConfigError(f"{key} is set from out_dir; use out_dir=PATH instead (with -m, runs go to "
                               "out_dir/0, out_dir/1, ...)")
     user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(user))
+    except Exception as exc:  # a malformed override or sweep expression
+        raise ConfigError(_compose_message(exc)) from None
     grid: List[List[str]] = [list(user)]
     if multirun:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
         try:
-            parsed = OverridesParser.create().parse_overrides(list(user))
-            grid = [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
-        except Exception as exc:  # a malformed sweep expression
+            grid = sweep_grid(parsed)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a sweep whose values cannot be listed
             raise ConfigError(_compose_message(exc)) from None
+    for override in parsed if not multirun else ():  # Hydra refuses these as ambiguous when it composes
+        if override.is_sweep_override() and override.value_type == ValueType.SIMPLE_CHOICE_SWEEP:
+            raise ConfigError(sweep_message(override))
     configs = []
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

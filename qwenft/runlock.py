@@ -10,18 +10,23 @@
   id is in ``.qwenft.lock.pid`` beside the lock while it holds it. The kernel drops the lock when its holder
   dies, however it dies, so a lock left by a killed run never blocks the next one. The empty lock file stays (two
   processes could otherwise lock two files of one name), except in a folder the lock made that stayed unused.
+- Whether a process that left a file behind still lives is asked of the same OS lock, never of ``/proc``: the
+  writer holds the file's lock while it runs (:func:`write_locked`), and a lock that can be taken has no live
+  holder (:func:`holder_text`, :func:`abandoned`). So a pid file a killed run left is told from the live holder's,
+  and ``merge`` tells its dead staging folders from live ones (:mod:`qwenft.export`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from qwenft.config import Config, QwenftError
-from qwenft.files import atomic_write_text, file_in_the_way
+from qwenft.files import file_in_the_way, publish_mode
 
 LOCK_NAME = ".qwenft.lock"
 PID_NAME = ".qwenft.lock.pid"
@@ -61,23 +66,73 @@ def new_run_stamp() -> str:
     return run_stamp()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs: a killed process whose parent has not reaped it yet (a zombie) does not."""
+def write_locked(path, text: str) -> int:
+    """Write ``text`` to ``path`` (a temporary file renamed over it) and hold the file's OS lock (``flock``, through
+    filelock's ``lock_descriptor``) until the returned descriptor is closed.
+
+    While the writer lives, :func:`holder_text` reads ``text`` and :func:`abandoned` is False; once it is gone,
+    however it went (SIGKILL included; a zombie holds no locks), the kernel has dropped the lock.
+
+    Returns:
+        The descriptor holding the lock: close it (after removing ``path``, if it is to go) to let go.
+    """
+    from filelock import lock_descriptor  # here: 45 ms to import, which --help and plan need not pay
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            # "pid (comm) state ...": comm may hold spaces or parentheses, the state follows the last ')'
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass  # no /proc (macOS): ask the kernel
+        os.write(fd, text.encode("utf-8"))
+        try:
+            lock_descriptor(fd, blocking=False)  # a new file: nobody else can hold it
+        except OSError:  # no flock on this filesystem: readers then count the writer as alive (_probe)
+            pass
+        publish_mode(tmp)
+        os.replace(tmp, path)  # locked before it appears: a reader never sees it unlocked while the writer lives
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def _probe(path) -> Optional[Tuple[str, bool]]:
+    """``(text, held)`` of a file written by :func:`write_locked`: ``held`` is whether a live process holds its lock
+    (a lock this process can take has no holder; it is let go at once). None when there is no such file."""
+    from filelock import lock_descriptor, unlock_descriptor
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        try:
+            fd = os.open(path, os.O_RDWR)  # (some network filesystems lock only files open for writing)
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as handle:  # the same open file as the lock: no rename in between
+            text = handle.read().decode("utf-8", errors="replace")
+        try:
+            free = lock_descriptor(fd, blocking=False)
+        except OSError:  # no flock here: whether the writer lives cannot be told, so it counts as alive
+            return text, True
+        if free:
+            unlock_descriptor(fd)
+        return text, not free
+    finally:
+        os.close(fd)
+
+
+def holder_text(path) -> Optional[str]:
+    """The text of ``path`` (:func:`write_locked`) while its writer lives; None when the file is missing or was
+    left by a process that is gone."""
+    probe = _probe(path)
+    return probe[0] if probe is not None and probe[1] else None
+
+
+def abandoned(path) -> bool:
+    """Whether ``path`` (:func:`write_locked`) exists and its writer is gone (False while it lives, or when there
+    is no such file)."""
+    probe = _probe(path)
+    return probe is not None and not probe[1]
 
 
 class RunLock:
@@ -98,15 +153,17 @@ class RunLock:
         self.path = folder / f"{prefix}{LOCK_NAME}"
         self.pid_path = folder / f"{prefix}{PID_NAME}"
         self._lock = None
+        self._pid_fd: Optional[int] = None  # holds the pid file's own lock (write_locked)
         self._created: List[Path] = []  # folders the lock made, deepest first (removed again when left unused)
 
     def holder(self) -> Optional[int]:
-        """The process id recorded by the holder, when that process is alive; None when unknown."""
+        """The process id recorded by the holder, when that process is alive; None when unknown (no pid file yet,
+        or the one a killed holder left: nobody holds its lock)."""
+        text = holder_text(self.pid_path)
         try:
-            pid = int(self.pid_path.read_text(encoding="ascii").strip())
-        except (OSError, ValueError):
+            return int(text.strip()) if text is not None else None
+        except ValueError:
             return None
-        return pid if pid_alive(pid) else None
 
     def acquire(self) -> "RunLock":
         """Take the lock without waiting for it (the folder is created when missing) and record this process's id.
@@ -138,7 +195,7 @@ class RunLock:
             raise QwenftError(f"{self.key}={self.directory}: cannot lock {self.path}: {exc.strerror or exc}") from None
         self._lock = lock
         try:
-            atomic_write_text(self.pid_path, f"{os.getpid()}\n")
+            self._pid_fd = write_locked(self.pid_path, f"{os.getpid()}\n")
         except BaseException:
             self.release()
             raise
@@ -159,6 +216,9 @@ class RunLock:
                 except OSError:  # gone already, or something else is in it: kept
                     pass
         finally:
+            if self._pid_fd is not None:
+                os.close(self._pid_fd)
+                self._pid_fd = None
             self._lock.release()
             self._lock = None
 

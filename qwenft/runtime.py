@@ -79,3 +79,26 @@ def is_main_process() -> bool:
 def launched() -> bool:
     """Whether a distributed launcher started this process (``LOCAL_RANK`` is set, even with one process)."""
     return "LOCAL_RANK" in os.environ
+
+
+def resolve_precision(choice: str, compute_dtype: str, native: bool) -> str:
+    """``train.precision`` resolved: ``auto`` is ``bf16`` when the compute dtype (resolved, e.g. by
+    :func:`resolve_dtype`) is ``bfloat16`` and bf16 is native on the device (``native``), else ``fp32`` (bf16
+    autocast where bf16 is not native is far slower than fp32). Other choices are returned as they are.
+
+    Read by training (``qwenft.train.trainer``) and by the planner (``qwenft.plan``), so both see the same run.
+    """
+    if choice != "auto":
+        return choice
+    return "bf16" if compute_dtype == "bfloat16" and native else "fp32"
+
+
+def resolve_optim(choice: str, strategy: str, cuda: bool) -> str:
+    """``train.optim`` resolved: ``auto`` is ``paged_adamw_8bit`` on CUDA and ``adamw_torch`` on a CPU, and
+    ``adamw_torch`` under FSDP / DeepSpeed (``dist.strategy``), whose sharding does not cover bitsandbytes' paged
+    states (peft's caveats). Read by training and by the planner."""
+    if choice != "auto":
+        return choice
+    if strategy in ("fsdp", "deepspeed"):
+        return "adamw_torch"
+    return "paged_adamw_8bit" if cuda else "adamw_torch"

@@ -194,10 +194,9 @@ def trace_forward(model, input_ids, layers: Sequence[int], top_k: int = 10, top_
     logprobs = torch.log_softmax(logits, dim=-1)
     probs = logprobs.exp()
     top = torch.topk(probs, min(top_k, probs.numel()))
-    cache = getattr(out, "cache", None)
-    kv_bytes = 0
-    for cache_layer in getattr(cache, "layers", []) or []:
-        kv_bytes += cache_layer.keys.nbytes + cache_layer.values.nbytes
+    from qwenft.generation.kv_cache import cache_bytes
+
+    kv_bytes = cache_bytes(getattr(out, "cache", None))
     trace = {
         "n_tokens": int(input_ids.shape[1]), "total_ms": 1000.0 * total,
         "embeddings": tensor_stats(extra["embeddings"][0].float()), "layers": records,
@@ -252,30 +251,18 @@ def inspect_command(config: Config) -> Dict[str, Any]:
         QwenftError: no ``prompt``; a bad ``inspect.layers``; an adapter directory without adapter_config.json;
             model loading errors. All are raised before the model is loaded except the last.
     """
-    from pathlib import Path
 
     import torch
 
-    from qwenft.model.adapter import inference_config
-    from qwenft.model import load_adapter, load_model, read_adapter_meta
+    from qwenft.model.inference import load_for_inference, prepare_inference
     from qwenft.plan import Architecture, kv_cache_bytes, resolve_architecture, write_json
 
     if not config.prompt:
         raise QwenftError('prompt: inspect needs a prompt, e.g. python -m qwenft inspect prompt="春天"')
-    if config.adapter and not (Path(config.adapter).expanduser() / "adapter_config.json").is_file():
-        raise QwenftError(f"adapter={config.adapter!r}: no adapter_config.json there (an adapter directory is "
-                          "written by `python -m qwenft train`)")
-    config = inference_config(config)  # with an adapter: the base it was trained on (its qwenft.json)
+    config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     layers = resolve_layers(config.inspect.layers, resolve_architecture(config.model).num_hidden_layers)
     eager = dataclasses.replace(config, model=dataclasses.replace(config.model, attn_implementation="eager"))
-    model, tokenizer = load_model(eager)
-    if config.adapter:
-        meta = read_adapter_meta(config.adapter)
-        if meta and meta["model"].get("name") not in (None, config.model.name):
-            log.warning("adapter %s was trained on %s, inspecting it on %s", config.adapter,
-                        meta["model"].get("name"), config.model.name)
-        model = load_adapter(model, config.adapter)
-    model.eval()
+    model, tokenizer = load_for_inference(eager, dequantize=False)  # the 4-bit computation itself is traced
     if config.chat:
         from qwenft.data.template import with_system
 

@@ -165,3 +165,58 @@ def test_unreadable_values_and_impossible_numbers_are_one_line(tmp_path):
     result = run_cli("eval", "model=tiny-random", f"out_dir={a_file}")
     assert result.returncode == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr
     assert a_file.read_text() == "keep"
+
+
+# --- the few places where only Hydra's / OmegaConf's wording tells what went wrong, and Hydra's sweep order -------
+
+
+def test_hydra_lexer_failures_are_told_by_hydra_1_3_wording():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from qwenft.hydra_app import lexer_refused
+
+    def refusal(override):
+        with pytest.raises(OverrideParseException) as info:
+            OverridesParser.create().parse_overrides([override])
+        assert info.value.override == override
+        return info.value
+
+    assert lexer_refused(refusal("prompt=春天"))  # a character without a token in Hydra's grammar
+    assert not lexer_refused(refusal("lora.r=[1"))  # a parser error: the value's brackets
+
+
+def test_omegaconf_unknown_keys_are_told_by_omegaconf_2_3_wording():
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from qwenft.config import LoraConfig
+    from qwenft.config.load import names_an_unknown_key
+
+    def first_line(action):
+        with pytest.raises(OmegaConfBaseException) as info:
+            action()
+        return str(info.value).splitlines()[0]
+
+    typed, struct = OmegaConf.structured(LoraConfig), OmegaConf.create({"r": 8})
+    OmegaConf.set_struct(struct, True)
+    assert names_an_unknown_key(first_line(lambda: typed.alpha))  # Key 'alpha' not in 'LoraConfig'
+    assert names_an_unknown_key(first_line(lambda: struct["alpha"]))  # Key 'alpha' is not in struct
+    assert names_an_unknown_key(first_line(lambda: OmegaConf.merge(typed, {"alpha": 8})))
+    assert not names_an_unknown_key(first_line(lambda: OmegaConf.merge(typed, {"r": "eight"})))
+
+
+@pytest.mark.parametrize("overrides", [["lora.r=4,8", "train.lr=1e-4,2e-4", "quant=none"],
+                                       ["lora.r=range(4,12,4)", "+recipe=quickstart", "lora.r=16,32"],
+                                       ["lora.r=choice(8,16)", "data.system_prompt='a,b'", "~train.seed"]])
+def test_the_multirun_grid_is_hydras_job_order(overrides):
+    """qwenft lists the jobs of ``-m`` itself (grid point N runs in out_dir/N): the order Hydra's basic sweeper
+    (private in Hydra 1.3, so only this test reads it) gives its jobs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from qwenft.hydra_app import sweep_grid
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    (hydra_jobs,) = BasicSweeper.split_arguments(parsed, None)
+    assert sweep_grid(parsed) == hydra_jobs and len(hydra_jobs) > 1

@@ -194,21 +194,108 @@ def test_hugging_face_dataset_id_goes_through_load_dataset(monkeypatch):
     assert calls == [("someone/qa", "en", "test")] and [r["row"] for r in rows] == [1, 2]
 
 
-def test_encoder_travels_to_workers_without_its_tokenizer(tiny):
-    """datasets.map forks its workers; pickling the tokenizer each time would cost seconds (see build.py)."""
-    import pickle
-
+def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
+    """The messages travel as a typed column (every turn exactly {role, content}, whatever keys a row's dicts had),
+    the tokenizer through ``fn_kwargs``: one process, two processes and encode_example give the same tokens."""
     from qwenft.data import pipeline
 
-    encoder = pipeline._Encoder(tiny, DataConfig(), "f.jsonl", "line", "test-key")
-    blob = pickle.dumps(encoder)
-    assert len(blob) < 20_000  # the tokenizer itself pickles to megabytes
-    assert pickle.loads(blob).tokenizer is tiny  # a forked worker finds it in the inherited table
-    pipeline._TOKENIZERS.pop("test-key")
-    again = pickle.loads(blob)  # a spawned worker loads it again from its directory
-    assert again.tokenizer is not tiny and again.tokenizer.chat_template == tiny.chat_template
-    assert again({"row": [1], "messages": [json.dumps([{"role": "user", "content": "q"}, {"role": "assistant",
-                 "content": "a"}])], "text": [None]})["error"] == [""]
+    assert not hasattr(pipeline, "_TOKENIZERS")  # no process-global registry
+    chats = [[{"role": "user", "content": f"q {i}", "_field": "messages[0].content"},
+              {"role": "assistant", "content": f"a {i}", "name": "bot"}] for i in range(6)]
+    chats[0].insert(0, {"role": "system", "content": "Be brief."})
+    rows = [{"messages": m, "text": None, "row": i + 1} for i, m in enumerate(chats)]
+    rows.append({"messages": [], "text": "plain text", "row": 7})
+    source = DataSource(name="s", path="s.jsonl")
+    for tokenizer in (tiny, qwen):
+        results = []
+        for num_proc in (1, 2):
+            dcfg = DataConfig(cache=False, num_proc=num_proc, system_prompt="Sys.")
+            encoded, hit = pipeline.tokenize_rows(rows, tokenizer, dcfg, source, "line", "key", "train")
+            assert not hit and encoded.column_names == pipeline.ENCODED and encoded["row"] == list(range(1, 8))
+            results.append(encoded[:])
+        assert results[0] == results[1] and set(results[0]["error"]) == {""}
+        for i, messages in enumerate(chats):
+            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+            want = encode_example(tokenizer, plain, max_seq_len=1024, train_on="assistant", system_prompt="Sys.")
+            assert results[0]["input_ids"][i] == want["input_ids"] and results[0]["labels"][i] == want["labels"]
+            prompt = prompt_ids(tokenizer, plain, system_prompt="Sys.")  # the trainer's prefix is the prompt
+            assert results[0]["input_ids"][i][:results[0]["prompt_len"][i]] == prompt
+        assert results[0]["input_ids"][6] == encode_text(tokenizer, "plain text", max_seq_len=1024)["input_ids"]
+        assert results[0]["prompt_len"][6] == 0
+    only_text, _ = pipeline.tokenize_rows(rows[6:], tiny, DataConfig(cache=False), source, "line", "key", "train")
+    assert only_text["input_ids"] == [encode_text(tiny, "plain text", max_seq_len=1024)["input_ids"]]
+
+
+def test_a_cache_miss_uses_what_it_built_and_a_hit_loads(tiny, tmp_path, monkeypatch):
+    """A miss saves the tokenized dataset (renamed into place whole) and returns it without reading it back; a hit
+    loads it (here built by two processes, read by one)."""
+    import datasets
+
+    loads = []
+    real = datasets.load_from_disk
+    monkeypatch.setattr(datasets, "load_from_disk", lambda path: loads.append(path) or real(path))
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", qa_rows(10))), eval_rows=2)
+    first = build(config_for(source, cache=True, num_proc=2), tiny)
+    assert first.stats["cache_misses"] == 2 and loads == []
+    saved = sorted(p.name for p in (tmp_path / "cache" / "data").iterdir())
+    assert len(saved) == 2 and not any(name.startswith(".") for name in saved)  # no staging folder left
+    second = build(config_for(source, cache=True), tiny)
+    assert second.stats["cache_hits"] == 2 and len(loads) == 2
+    assert second.train[:] == first.train[:] and second.eval[:] == first.eval[:]
+    assert second.eval_rows == first.eval_rows
+
+
+def test_held_out_rows_carry_their_tokens(tiny, tmp_path):
+    """Evaluation reuses the bundle's held-out ids: the prompt is prompt_ids (also where max_seq_len cut it, or the
+    row could not be encoded), the ids and labels those the eval loss sees; a text row has no prompt."""
+    rows = qa_rows(6) + [{"instruction": "long " * 100, "output": "x"}, {"instruction": "a <|im_end|>", "output": "b"}]
+    chat = DataSource(name="chat", path=str(write_jsonl(tmp_path / "a.jsonl", rows)), eval_rows=8, weight=0.0)
+    text = DataSource(name="text", path=str(write_jsonl(tmp_path / "t.jsonl", [{"text": "plain"}] * 3)),
+                      format="text", eval_rows=1)
+    bundle = build(config_for(chat, text, max_seq_len=64, system_prompt="Sys.", on_bad_row="skip"), tiny)
+    held = bundle.eval_rows["chat"]
+    assert len(held) == 8 and held[7]["input_ids"] is held[7]["labels"] is None  # the special token as text
+    for row in held:
+        if row["input_ids"] is not None:
+            want = encode_example(tiny, row["messages"], max_seq_len=64, train_on="assistant", system_prompt="Sys.")
+            assert (row["input_ids"], row["labels"]) == (want["input_ids"], want["labels"])
+        assert row["prompt_ids"] == prompt_ids(tiny, row["messages"], system_prompt="Sys.")
+    assert max(len(row["prompt_ids"]) for row in held) > 64  # the long row's prompt, cut in training, is whole
+    assert len(bundle.eval) == 6 + 1  # the long row has nothing left to learn: out of the eval loss (dropped)
+    [plain] = bundle.eval_rows["text"]
+    assert plain["prompt_ids"] is None and plain["input_ids"] == encode_text(tiny, "plain", max_seq_len=64)["input_ids"]
+
+
+def test_packing_is_decided_once_and_the_collator_follows_it(tiny, tmp_path):
+    import dataclasses
+
+    from qwenft.data import DataBundle, Packing, collator, packing_of
+
+    config = config_for(DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", qa_rows(8)))),
+                        max_seq_len=128, packing=True)
+    flash = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                  attn_implementation="flash_attention_2"))
+    unpacked = dataclasses.replace(flash, data=dataclasses.replace(flash.data, packing=False))
+    assert packing_of(config) == Packing(packed=True, flatten=False, max_len=128)
+    assert packing_of(flash) == Packing(packed=True, flatten=True, max_len=128)
+    assert packing_of(unpacked) == Packing()
+    bundle = build(config, tiny)
+    assert bundle.packing == packing_of(config) and "position_ids" in bundle.train.column_names
+    assert not collator(bundle, tiny).flatten
+    assert collator(dataclasses.replace(bundle, packing=packing_of(flash)), tiny).flatten
+    assert not collator(DataBundle(train=[], eval=None, eval_rows={}, stats={}), tiny).flatten
+
+
+def test_format_fields_have_one_table():
+    from qwenft.config import FORMAT_FIELDS
+    from qwenft.data.formats import top_level_fields
+
+    assert {fmt: top_level_fields(fmt) for fmt in FORMAT_FIELDS} == {
+        "alpaca": ("instruction", "input", "output", "system", "history"), "messages": ("messages",),
+        "sharegpt": ("conversations", "system"), "text": ("text",)}
+    record = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "role": "x"}
+    assert normalise(record, "messages", {})[2] == {"role": "x"}  # a top-level "role" is not a turn key: meta
 
 
 def test_unknown_column_key_is_a_config_error():

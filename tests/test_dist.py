@@ -34,13 +34,13 @@ main(sys.argv[1:])
 
 KILL_AFTER_CHECKPOINT_2 = """
 import signal
-from qwenft.train.trainer import QwenftTrainer
-_save = QwenftTrainer._save_checkpoint
-def _save_then_die(self, model, trial):
-    _save(self, model, trial)
-    if self.state.global_step == 2:
+from qwenft.train.callbacks import AtomicCheckpoints
+_on_save = AtomicCheckpoints.on_save
+def _save_then_die(self, args, state, control, **kwargs):
+    _on_save(self, args, state, control, **kwargs)
+    if state.global_step == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-QwenftTrainer._save_checkpoint = _save_then_die
+AtomicCheckpoints.on_save = _save_then_die
 """
 
 

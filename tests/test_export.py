@@ -441,11 +441,27 @@ def test_failed_verification_exits_1_and_writes_nothing(tmp_path, adapters, monk
     assert not out.exists() and no_leftovers(out)
 
 
+# Run in the child before the CLI: once the merged shards are written, say so and wait (the test then interrupts it).
+PAUSE_AFTER_SHARDS = """
+import sys, time
+import qwenft.export as export
+_save = export.save_merged
+def _save_then_pause(*args, **kwargs):
+    result = _save(*args, **kwargs)
+    print("qwenft merge: test hook: pausing after writing the shards", file=sys.stderr, flush=True)
+    time.sleep(120)
+    return result
+export.save_merged = _save_then_pause
+from qwenft.cli import main
+main(sys.argv[1:])
+"""
+
+
 def _start_paused_merge(adapter: Path, out: Path):
-    env = dict(os.environ, QWENFT_TEST_MERGE_PAUSE="120", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     # A runner started in the background inherits SIGINT as ignored, and Python then installs no Ctrl-C
     # handler: give the child the default disposition, as a terminal would.
-    proc = subprocess.Popen([sys.executable, "-m", "qwenft", "merge", f"adapter={adapter}", f"out={out}",
+    proc = subprocess.Popen([sys.executable, "-c", PAUSE_AFTER_SHARDS, "merge", f"adapter={adapter}", f"out={out}",
                              "merge.dtype=float32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -479,20 +495,44 @@ def test_interrupted_or_killed_merge_leaves_no_dir(tmp_path, adapters):
     assert no_leftovers(out)
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="zombies are told apart through /proc")
-def test_a_killed_merge_not_yet_reaped_counts_as_dead():
-    """A merge killed under a parent that has not waited for it is a zombie: its .tmp-* folder is stale."""
-    from qwenft.export import _pid_alive
+# Holds the lock of a merge's owner file, as a merge does while it runs, then waits to be killed.
+HOLD_OWNER = """
+import sys, time
+from qwenft.runlock import write_locked
+fd = write_locked(sys.argv[1], "merging")
+print("holding", flush=True)
+time.sleep(120)
+"""
 
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    stat = Path(f"/proc/{proc.pid}/stat")
-    deadline = time.time() + 30
-    while stat.is_file() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.time() < deadline
-        time.sleep(0.05)
-    assert not _pid_alive(proc.pid) and _pid_alive(os.getpid())
-    proc.wait()
-    assert not _pid_alive(proc.pid)
+
+@pytest.mark.skipif(not hasattr(os, "waitid"), reason="needs os.waitid to leave the child a zombie")
+def test_a_killed_merge_not_yet_reaped_counts_as_dead(tmp_path):
+    """A merge killed under a parent that has not waited for it is a zombie: its .tmp-* folder is stale."""
+    from qwenft.export import OWNER, _remove_stale
+
+    out = tmp_path / "merged"
+    stale, live = tmp_path / "merged.tmp-dead", tmp_path / "merged.tmp-live"
+    stale.mkdir()
+    live.mkdir()
+    (tmp_path / "merged.old-123").mkdir()  # no owner file: whose it is cannot be told, so it stays
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_OWNER, str(stale / OWNER)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    from qwenft.runlock import write_locked
+
+    mine = write_locked(live / OWNER, "merging")  # a live merge: this process
+    try:
+        _remove_stale(out)
+        assert stale.is_dir() and live.is_dir()  # both merges are alive
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has exited but is not reaped: a zombie
+        _remove_stale(out)
+        assert not stale.exists() and live.is_dir() and (tmp_path / "merged.old-123").is_dir()
+    finally:
+        os.close(mine)
+        proc.wait()
+    _remove_stale(out)  # this process let go of its lock: its folder is stale now too
+    assert not live.exists()
 
 
 def test_model_card_eval_table(tmp_path):

@@ -45,3 +45,19 @@ def test_publish_tree_opens_private_files(tmp_path, umask_022):
     publish_tree(tmp_path / "a")
     assert (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "a" / "b" / "weights.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_publish_dir_replaces_whole_or_keeps_the_first(tmp_path):
+    from qwenft.files import publish_dir, staging_dir
+
+    final = tmp_path / "adapter"
+    for text in ("one", "two"):
+        built = staging_dir(tmp_path)
+        (built / "w.txt").write_text(text)
+        assert publish_dir(built, final) == final and not built.exists()
+        assert (final / "w.txt").read_text() == text  # the second replaced the first
+    built = staging_dir(tmp_path)
+    (built / "w.txt").write_text("three")
+    publish_dir(built, final, replace=False)
+    assert (final / "w.txt").read_text() == "two" and not built.exists()  # kept: finished first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # nothing left aside

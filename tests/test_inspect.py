@@ -177,7 +177,7 @@ def test_user_errors_stop_before_loading(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model must not be loaded")
 
-    monkeypatch.setattr("qwenft.model.load_model", refuse)
+    monkeypatch.setattr("qwenft.model.inference.load_model", refuse)
     config = tiny_config(tmp_path)
     with pytest.raises(QwenftError, match="prompt"):
         inspect_command(config)

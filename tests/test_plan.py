@@ -269,3 +269,17 @@ def test_auto_dtypes_and_supervised_fraction():
     assert activation_terms(arch, setup, 2, 1000)["loss_saved"] == 500 * arch.hidden_size * 2
     with pytest.raises(ConfigError, match="plan.supervised_fraction"):
         compose_config("plan.supervised_fraction=0")
+
+
+def test_planner_and_training_choose_the_same_optimizer_and_precision():
+    """One home for the choice (qwenft.runtime): under FSDP the planner plans adamw_torch as training uses it (it
+    planned paged 8-bit AdamW there before), and auto precision follows the compute dtype for both."""
+    from qwenft.runtime import resolve_optim, resolve_precision
+
+    fsdp = compose_config("model=qwen2.5-7b-instruct", "dist=fsdp")
+    assert TrainSetup.from_config(fsdp, device="cuda").optim == "adamw_torch" == resolve_optim("auto", "fsdp", True)
+    plain = compose_config("model=qwen2.5-7b-instruct")
+    assert TrainSetup.from_config(plain, device="cuda").optim == "paged_adamw_8bit"
+    assert resolve_precision("auto", "bfloat16", native=True) == "bf16"
+    assert resolve_precision("auto", "bfloat16", native=False) == resolve_precision("auto", "float32", True) == "fp32"
+    assert resolve_precision("fp16", "float32", native=False) == "fp16"

@@ -122,6 +122,18 @@ def test_the_lock_refuses_a_second_holder_and_names_the_directory_and_pid(tmp_pa
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME, "adapter"]  # a used directory stays
 
 
+def test_the_holder_is_told_by_the_lock_on_its_pid_file_not_by_the_pid(tmp_path):
+    lock = RunLock(tmp_path)
+    (tmp_path / PID_NAME).write_text("999999\n")  # left by a killed holder: nobody holds its lock
+    assert lock.holder() is None
+    (tmp_path / PID_NAME).write_text(f"{os.getpid()}\n")  # even naming a live process: still not a holder's
+    assert lock.holder() is None
+    first = RunLock(tmp_path).acquire()
+    assert lock.holder() == os.getpid()  # the pid file the holder keeps locked
+    first.release()
+    assert lock.holder() is None and not (tmp_path / PID_NAME).exists()
+
+
 def run_main(argv, capsys):
     from qwenft.cli import main
 
@@ -152,9 +164,12 @@ def test_eval_and_merge_refuse_a_directory_in_use(tmp_path, capsys):
         held.release()
     assert code == 2 and len(err.splitlines()) == 1 and f"out={out} is in use by process {os.getpid()}" in err, err
     assert not (tmp_path / "models").exists()
-    # Not held: merge goes on to its own checks; the refused command leaves no folder or lock behind.
-    code, err = run_main(["merge", f"adapter={run_dir}/adapter", f"out={out}"], capsys)
-    assert code == 2 and "no adapter_config.json" in err and not (tmp_path / "models").exists(), err
+    # Not held: merge goes on to its own checks (in a process of its own: it runs Hydra, which configures logging);
+    # the refused command leaves no folder or lock behind.
+    proc = subprocess.run([sys.executable, "-m", "qwenft", "merge", f"adapter={run_dir}/adapter", f"out={out}"],
+                          cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and "no adapter_config.json" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "models").exists(), sorted(str(p) for p in tmp_path.rglob("*"))
 
 
 def test_two_trains_in_the_same_second_get_two_complete_run_directories(tmp_path):

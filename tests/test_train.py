@@ -49,15 +49,16 @@ def run_cli(args: list, patch: str = "", timeout: int = 300) -> subprocess.Compl
                           timeout=timeout, env=env)
 
 
+# Killed right after checkpoint-3 is in place: the on_save hook that renamed it has returned.
 KILL_AFTER_STEP_3 = """
 import os, signal
-from qwenft.train.trainer import QwenftTrainer
-_save = QwenftTrainer._save_checkpoint
-def _save_then_die(self, model, trial):
-    _save(self, model, trial)
-    if self.state.global_step == 3:
+from qwenft.train.callbacks import AtomicCheckpoints
+_on_save = AtomicCheckpoints.on_save
+def _save_then_die(self, args, state, control, **kwargs):
+    _on_save(self, args, state, control, **kwargs)
+    if state.global_step == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-QwenftTrainer._save_checkpoint = _save_then_die
+AtomicCheckpoints.on_save = _save_then_die
 """
 
 
@@ -92,6 +93,22 @@ def test_sigkill_after_checkpoint_then_resume_equals_uninterrupted(tmp_path):
         # fp32 on CPU with the same batches, RNG and optimizer state: only summation-order noise is allowed.
         torch.testing.assert_close(weights_a[name], weights_b[name], rtol=0, atol=1e-6)
     assert any(w.abs().sum() > 0 for n, w in weights_a.items() if "lora_B" in n)  # training moved B off zero
+
+
+def test_a_checkpoint_is_published_whole_with_qwenft_json_and_rotated_by_step(tmp_path):
+    """What the Trainer's on_save hook does once checkpoint-N is complete in the staging folder (its output_dir)."""
+    from qwenft.train.callbacks import AtomicCheckpoints, staging_root
+
+    checkpoints = tmp_path / "checkpoints"
+    staging = staging_root(checkpoints)
+    publisher = AtomicCheckpoints(checkpoints, compose_config("model=tiny-random", "quant=none"))
+    for step in (2, 4, 6, 4):  # the last one: the same step saved again, as after a resume
+        (staging / f"checkpoint-{step}").mkdir(parents=True)
+        (staging / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        publisher.publish(staging, step, save_total_limit=2)
+        assert not staging.exists()  # the emptied staging folder goes: only checkpoints are listed
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert json.loads((checkpoints / "checkpoint-4" / "qwenft.json").read_text())["model"]["source"] == "tiny-random"
 
 
 NAN_FROM_STEP_5 = """

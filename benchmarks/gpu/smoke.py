@@ -33,12 +33,12 @@ sys.path.insert(0, str(ROOT))
 # Kills the training process right after checkpoint-2 is in place (what a preempted job looks like).
 KILL_AFTER_FIRST_CHECKPOINT = """
 import os, signal, sys
-from qwenft.train.trainer import QwenftTrainer
-_save = QwenftTrainer._save_checkpoint
-def _save_then_die(self, model, trial):
-    _save(self, model, trial)
+from qwenft.train.callbacks import AtomicCheckpoints
+_on_save = AtomicCheckpoints.on_save
+def _save_then_die(self, args, state, control, **kwargs):
+    _on_save(self, args, state, control, **kwargs)
     os.kill(os.getpid(), signal.SIGKILL)
-QwenftTrainer._save_checkpoint = _save_then_die
+AtomicCheckpoints.on_save = _save_then_die
 from qwenft.cli import main
 main(sys.argv[1:])
 """

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 from qwenft.config.base import _check, _check_choice
 
 
-# The fields each data format reads; ``data.sources[].columns`` maps them onto the file's own field names.
+# The fields each data format reads; ``data.sources[].columns`` maps them onto the file's own field names. For
+# messages and sharegpt the first three are the list of turns, then the role and content keys of a turn.
 FORMAT_FIELDS = {
     "alpaca": ("instruction", "input", "output", "system", "history"),
     "messages": ("messages", "role", "content"),

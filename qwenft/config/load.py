@@ -15,29 +15,28 @@ def project_root() -> str:
     """The checkout qwenft runs from (holds conf/, recipes/, data/)."""
     from pathlib import Path
 
-    return str(Path(__file__).resolve().parents[1])
+    return str(Path(__file__).resolve().parents[2])  # <root>/qwenft/config/load.py
 
 
 def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:
-    """Keys of the (container) ``node`` that ``schema_type`` does not define, as dotted paths."""
-    from omegaconf import DictConfig, ListConfig
+    """Keys of ``node`` that ``schema_type`` does not define, as dotted paths.
 
+    ``node``: the composed config as plain containers (``OmegaConf.to_container(cfg, resolve=False)``), in which an
+    interpolation is still its ``${...}`` text and a missing value ``???``: neither is looked into, nor is None.
+    """
     found: List[str] = []
-    if node._is_none() or node._is_missing():
-        return found
-    if dataclasses.is_dataclass(schema_type) and isinstance(node, DictConfig):
+    if dataclasses.is_dataclass(schema_type) and isinstance(node, dict):
         fields = {f.name: f for f in dataclasses.fields(schema_type)}
-        for key in node.keys():
+        for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
             if key not in fields:
                 found.append(unknown_key_message(path))
                 continue
-            child_type = _field_type(schema_type, str(key))
-            found.extend(_unknown_keys(node._get_node(key), child_type, path))
-    elif isinstance(node, ListConfig) and getattr(schema_type, "__origin__", None) in (list, List):
+            found.extend(_unknown_keys(value, _field_type(schema_type, str(key)), path))
+    elif isinstance(node, list) and getattr(schema_type, "__origin__", None) in (list, List):
         (item_type,) = schema_type.__args__
-        for i, item in enumerate(node._iter_ex(resolve=False)):
-            found.extend(_unknown_keys(node._get_node(i), item_type, f"{prefix}[{i}]"))
+        for i, item in enumerate(node):
+            found.extend(_unknown_keys(item, item_type, f"{prefix}[{i}]"))
     return found
 
 
@@ -122,7 +121,7 @@ def to_config(cfg: Any) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    problems = _unknown_keys(cfg, Config, "")
+    problems = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), Config, "")
     if problems:
         raise ConfigError(problems[0])
     try:
@@ -137,10 +136,20 @@ def to_config(cfg: Any) -> Config:
 
 def omegaconf_message(exc: BaseException) -> str:
     """One line from an OmegaConf error: the full key and the reason."""
-    key = getattr(exc, "full_key", None)
+    key = getattr(exc, "full_key", None)  # OmegaConfBaseException's
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if key and re.match(r"Key '[^']*' (is )?not in", first):  # an unknown key: suggest the intended one
+    if key and names_an_unknown_key(first):  # suggest the intended one
         return unknown_key_message(str(key))
     if key:
         return f"{key}: {first}"
     return first
+
+
+def names_an_unknown_key(message: str) -> bool:
+    """Whether the first line of an OmegaConf error is about a key its typed or struct config does not have.
+
+    Only the wording tells: OmegaConf 2.3 (``DictConfig._validate_get``) raises it as ``ConfigAttributeError`` or
+    ``ConfigKeyError``, "Key 'k' not in 'LoraConfig'" (typed) or "Key 'k' is not in struct", and the same classes
+    carry other failures too ("Missing key k", "Key not found: 'k'").
+    """
+    return re.match(r"Key '[^']*' (is )?not in", message) is not None

@@ -1,4 +1,4 @@
-"""The data pipeline: read -> normalise to chat messages -> validate -> template + tokenize + mask -> mix -> pack.
+"""The data pipeline, one way: rows -> typed examples -> token ids + labels -> mix -> pack -> collate.
 
 Modules, one step each:
 
@@ -11,24 +11,28 @@ Modules, one step each:
   (:func:`encode_example`), and the sampler's prompt (:func:`prompt_ids`), token for token the prefix the
   trainer saw.
 - :mod:`~qwenft.data.mix`: seeded eval hold-out, exact-ratio mixing (the largest-weight source used once per
-  epoch, the others sampled to the ratio without replacement while rows last), packing.
-- :mod:`~qwenft.data.pipeline`: :func:`build` ties the steps together, caches tokenized data by content +
-  tokenizer + settings, and reports :class:`DataBundle` stats.
-- :mod:`~qwenft.data.collate`: :class:`DataCollator` (right padding, labels padded by position, packed rows).
+  epoch, the others sampled to the ratio without replacement while rows last).
+- :mod:`~qwenft.data.pipeline`: :func:`build` ties the steps together (the rows go into ``datasets.map`` as a
+  typed messages column, the tokenizer as an argument), caches tokenized data by content + tokenizer +
+  settings, and returns a :class:`DataBundle`: datasets, stats, the held-out rows with their token ids (which
+  evaluation uses as they are) and the packing.
+- :mod:`~qwenft.data.collate`: packing in one place: :func:`packing_of` decides it from the config (the bundle
+  carries it), :func:`pack` / :func:`pack_examples` build the rows, :func:`collator` gives the Trainer its
+  :class:`DataCollator` (right padding, labels padded by position, packed rows, flash-attention's flat batch).
 - :mod:`~qwenft.data.command`: :func:`~qwenft.data.command.preview`, the ``python -m qwenft data`` command (a
   command room: it may import :mod:`qwenft.model`; the rest of this room imports only :mod:`qwenft.config`,
-  :mod:`qwenft.chat`, :mod:`qwenft.files`).
+  :mod:`qwenft.chat`, :mod:`qwenft.files` and, for the cache directory, :mod:`qwenft.runtime`).
 """
 
 from qwenft.data.pipeline import DataBundle, build, tokenizer_fingerprint
-from qwenft.data.collate import DataCollator
+from qwenft.data.collate import DataCollator, Packing, collator, pack, pack_examples, packing_of
 from qwenft.data.formats import DataError, normalise
-from qwenft.data.mix import choose, mix_counts, pack, split_eval
+from qwenft.data.mix import choose, mix_counts, split_eval
 from qwenft.data.read import read_rows, read_source, resolve_path
 from qwenft.data.template import IGNORE_INDEX, encode_example, encode_text, prompt_ids, segments, with_system
 
 __all__ = [
-    "DataBundle", "DataCollator", "DataError", "IGNORE_INDEX", "build", "choose", "encode_example", "encode_text",
-    "mix_counts", "normalise", "pack", "prompt_ids", "read_rows", "read_source", "resolve_path",
-    "segments", "split_eval", "tokenizer_fingerprint", "with_system",
+    "DataBundle", "DataCollator", "DataError", "IGNORE_INDEX", "Packing", "build", "choose", "collator",
+    "encode_example", "encode_text", "mix_counts", "normalise", "pack", "pack_examples", "packing_of", "prompt_ids",
+    "read_rows", "read_source", "resolve_path", "segments", "split_eval", "tokenizer_fingerprint", "with_system",
 ]

@@ -1,11 +1,96 @@
-"""Batching for the Trainer: right padding, labels padded by position, packed rows with restarting positions."""
+"""Packing and batching, in one place: whether and how examples are packed (:func:`packing_of`, decided once from
+the config and carried by the bundle), the packed rows (:func:`pack`, :func:`pack_examples`), and the Trainer's
+collator built from that decision (:func:`collator`): right padding, labels padded by position, packed rows with
+restarting positions, or one flattened row for flash-attention."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from qwenft.config import QwenftError
+from qwenft.config import Config, QwenftError
 from qwenft.data.template import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How the training examples become rows and batches (see :func:`packing_of`).
+
+    Attributes:
+        packed: examples are concatenated into rows of at most ``max_len`` tokens, each row carrying
+            ``position_ids`` that restart at 0 for every example (:func:`pack_examples`).
+        flatten: the collator concatenates a whole batch into one row ``[1, tokens]`` (:class:`DataCollator`).
+        max_len: the length of a packed row (tokens); None unpacked.
+    """
+
+    packed: bool = False
+    flatten: bool = False
+    max_len: Optional[int] = None
+
+
+def packing_of(config: Config) -> Packing:
+    """The packing of ``config``'s training data: packed with ``data.packing`` into rows of ``data.max_seq_len``,
+    and flattened into one row per batch when packed on ``model.attn_implementation=flash_attention_2`` (which
+    honours packed boundaries only in a batch of one row, read from ``position_ids``)."""
+    packed = config.data.packing
+    return Packing(packed=packed, flatten=packed and config.model.attn_implementation == "flash_attention_2",
+                   max_len=config.data.max_seq_len if packed else None)
+
+
+def pack(lengths: Sequence[int], max_len: int, window: int = 16) -> List[List[int]]:
+    """Group examples into rows of at most ``max_len`` tokens.
+
+    First fit over the ``window`` most recently opened rows, in the given (shuffled) order, so the mix
+    stays spread over the rows. Every example must fit (``lengths[i] <= max_len``).
+
+    Returns:
+        Rows, each a list of example indices.
+    """
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for i, length in enumerate(lengths):
+        start = max(0, len(rows) - window)
+        for r in range(start, len(rows)):
+            if room[r] >= length:
+                rows[r].append(i)
+                room[r] -= length
+                break
+        else:
+            rows.append([i])
+            room.append(max_len - length)
+    return rows
+
+
+def pack_examples(examples, max_len: int):
+    """Concatenate the examples of a ``datasets.Dataset`` (``input_ids``, ``labels``) into rows of at most
+    ``max_len`` tokens (:func:`pack`), in their order.
+
+    Returns:
+        A ``datasets.Dataset`` of rows ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 for each
+        example); the first label of every example is -100.
+    """
+    import datasets
+
+    ids, labels = examples["input_ids"], examples["labels"]
+    rows = pack([len(x) for x in ids], max_len)
+    out: Dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in rows:
+        row_ids, row_labels, row_pos = [], [], []
+        for i in members:
+            row_ids.extend(ids[i])
+            # The first token is never predicted unpacked; packed, it would be predicted from the previous
+            # example, so it is masked (the same as transformers' DataCollatorWithFlattening separator).
+            row_labels.extend([IGNORE_INDEX] + list(labels[i][1:]))
+            row_pos.extend(range(len(ids[i])))
+        out["input_ids"].append(row_ids)
+        out["labels"].append(row_labels)
+        out["position_ids"].append(row_pos)
+    return datasets.Dataset.from_dict(out)
+
+
+def collator(bundle, tokenizer) -> "DataCollator":
+    """The Trainer's collator for ``bundle`` (a :class:`~qwenft.data.DataBundle`), as its ``packing`` says."""
+    return DataCollator(tokenizer, flatten=bundle.packing.flatten)
 
 
 class DataCollator:
@@ -26,24 +111,22 @@ class DataCollator:
     Output: ``input_ids, labels, position_ids: [batch, seq]``.
 
     Args:
-        tokenizer: gives ``pad_token_id``.
+        tokenizer: gives ``pad_token_id`` (or that id itself, an int).
         flatten: concatenate the whole batch into one row ``[1, total_tokens]`` with restarting
             ``position_ids`` and no padding (padding-free, as transformers' ``DataCollatorWithFlattening``);
             use it with ``attn_implementation=flash_attention_2``. The first label of every example is set
             to ``-100`` so no token is trained to predict across a boundary.
-        pad_to_multiple_of: round the padded length up to a multiple of this (tokens).
 
     Raises:
         QwenftError: the tokenizer has no pad token.
     """
 
-    def __init__(self, tokenizer, *, flatten: bool = False, pad_to_multiple_of: Optional[int] = None) -> None:
+    def __init__(self, tokenizer, *, flatten: bool = False) -> None:
         pad = tokenizer if isinstance(tokenizer, int) else getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             raise QwenftError("the tokenizer has no pad token; load it with qwenft.model.load_tokenizer")
         self.pad_token_id = int(pad)
         self.flatten = flatten
-        self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: Sequence[Dict[str, Sequence[int]]]) -> Dict[str, "object"]:
         import torch
@@ -54,8 +137,6 @@ class DataCollator:
             return self._flatten(features)
         packed = "position_ids" in features[0]
         longest = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = len(features)
         input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
         labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
-from qwenft.config import QwenftError
+from qwenft.config import FORMAT_FIELDS, QwenftError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system"}
 CHAT_ROLES = ("system", "user", "assistant")
+TURN_FORMATS = ("messages", "sharegpt")  # FORMAT_FIELDS[fmt][:3]: the list of turns, its role key, its content key
 
 
 class DataError(QwenftError):
@@ -132,8 +133,7 @@ def _alpaca(record: Dict[str, Any], columns: Dict[str, str]) -> List[Dict[str, s
 
 
 def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str) -> List[Dict[str, str]]:
-    list_name, role_name, content_name = (("messages", "role", "content") if fmt == "messages"
-                                          else ("conversations", "from", "value"))
+    list_name, role_name, content_name = FORMAT_FIELDS[fmt][:3]  # the list field, then its turns' two keys
     role_key, content_key = columns.get(role_name, role_name), columns.get(content_name, content_name)
     label = _label(columns, list_name)
     turns = _list(_get(record, columns, list_name, True), label)
@@ -208,7 +208,7 @@ def normalise(record: Any, fmt: str, columns: Dict[str, str]) -> Tuple[List[Dict
     """
     if not isinstance(record, dict):
         raise DataError(f"expected an object (a row with named fields), got {describe(record)}")
-    used = {columns.get(name, name) for name in _FIELDS[fmt]}
+    used = {columns.get(name, name) for name in top_level_fields(fmt)}
     meta = {k: v for k, v in record.items() if k not in used}
     if fmt == "text":
         text = _string(_get(record, columns, "text", True), _label(columns, "text"), True)
@@ -219,6 +219,9 @@ def normalise(record: Any, fmt: str, columns: Dict[str, str]) -> Tuple[List[Dict
     return check_conversation(messages), None, meta
 
 
-# The top-level fields each format consumes (the others go to ``meta``); role / content keys live inside turns.
-_FIELDS = {"alpaca": ("instruction", "input", "output", "system", "history"), "messages": ("messages",),
-           "sharegpt": ("conversations", "system"), "text": ("text",)}
+
+def top_level_fields(fmt: str) -> tuple:
+    """The fields of a record that format ``fmt`` consumes (the others go to ``meta``): its
+    :data:`~qwenft.config.FORMAT_FIELDS` less the role and content keys, which live inside the turns."""
+    turn_keys = FORMAT_FIELDS[fmt][1:3] if fmt in TURN_FORMATS else ()
+    return tuple(name for name in FORMAT_FIELDS[fmt] if name not in turn_keys)

@@ -1,4 +1,4 @@
-"""Eval hold-out, exact-ratio mixing and packing: index arithmetic only, no tokenizer, no model.
+"""Eval hold-out and exact-ratio mixing: index arithmetic only, no tokenizer, no model (packing: collate.py).
 
 Mixing rule (the size of an epoch):
 
@@ -125,26 +125,3 @@ def choose(available: Dict[str, int], counts: Dict[str, int], seed: int) -> List
     random.Random(f"{seed}:order").shuffle(picked)
     return picked
 
-
-def pack(lengths: Sequence[int], max_len: int, window: int = 16) -> List[List[int]]:
-    """Group examples into rows of at most ``max_len`` tokens.
-
-    First fit over the ``window`` most recently opened rows, in the given (shuffled) order, so the mix
-    stays spread over the rows. Every example must fit (``lengths[i] <= max_len``).
-
-    Returns:
-        Rows, each a list of example indices.
-    """
-    rows: List[List[int]] = []
-    room: List[int] = []
-    for i, length in enumerate(lengths):
-        start = max(0, len(rows) - window)
-        for r in range(start, len(rows)):
-            if room[r] >= length:
-                rows[r].append(i)
-                room[r] -= length
-                break
-        else:
-            rows.append([i])
-            room.append(max_len - length)
-    return rows

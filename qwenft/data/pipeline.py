@@ -1,4 +1,8 @@
-"""``build``: sources -> normalised rows -> eval hold-out -> tokenized (cached) -> mixed -> packed."""
+"""``build``: sources -> normalised rows -> eval hold-out -> token ids + labels (cached) -> mixed -> packed.
+
+One way through: the rows' messages go into ``datasets.map`` as a typed column (:func:`example_features`), the
+tokenizer as an argument of the map function (``fn_kwargs``), and the held-out rows come back with their ids.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +10,25 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, DataConfig, DataSource
 from qwenft.data.checks import eval_share_warning, placeholder_warning, skipped_lines
+from qwenft.data.collate import Packing, pack_examples, packing_of
 from qwenft.data.formats import DataError
-from qwenft.data.mix import choose, mix_counts, pack, split_eval
+from qwenft.data.mix import choose, mix_counts, split_eval
 from qwenft.data.read import read_rows
-from qwenft.data.template import IGNORE_INDEX, encode_many
+from qwenft.data.template import IGNORE_INDEX, encode_many, prompt_ids
 from qwenft.files import staging_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when the encoding changes, so old cached datasets are not reused
+CACHE_VERSION = 3  # bump when the encoding or its columns change, so old cached datasets are not reused
 COLUMNS = ["input_ids", "labels", "length"]
+ENCODED = ["row", *COLUMNS, "overflow", "supervised", "prompt_len", "error"]  # what tokenize_rows returns
 
 
 @dataclass
@@ -31,14 +38,19 @@ class DataBundle:
     Attributes:
         train: ``datasets.Dataset`` with ``input_ids`` and ``labels`` (``[seq]`` lists of ids; labels -100 where
             not supervised) and, when ``data.packing``, ``position_ids`` restarting at 0 for each example.
-        eval: the held-out rows, tokenized the same way, never packed (possibly empty).
+        eval: the held-out rows, tokenized the same way, never packed (possibly empty), for the eval loss.
         eval_rows: source name -> the held-out normalised rows (``messages`` with the reference answer last,
-            ``text``, ``meta``, ``row``), for generation evaluation.
+            ``text``, ``meta``, ``row``), each with its tokens for evaluation: ``input_ids`` and ``labels`` as
+            trained on (truncated to ``max_seq_len``; None for a row that could not be encoded, skipped with
+            ``on_bad_row=skip``) and ``prompt_ids`` (a conversation's generation prompt, token for token the
+            trainer's prefix of its answer, :func:`qwenft.data.prompt_ids`; None for ``text``).
         stats: counts per source, ratio achieved, token lengths, truncated / dropped / skipped counts,
             supervised share, packing fill, cache hits (see :func:`build`).
         sample: the first training example before packing: ``{source, row, input_ids, labels}``.
         train_row_ids: source name -> the ``row`` numbers of its training examples, in training order
             (repeats included).
+        packing: whether and how ``train`` is packed (:func:`qwenft.data.packing_of`); the collator is built
+            from it (:func:`qwenft.data.collator`).
     """
 
     train: Any
@@ -47,6 +59,7 @@ class DataBundle:
     stats: Dict[str, Any]
     sample: Optional[Dict[str, Any]] = field(default=None, repr=False)
     train_row_ids: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+    packing: Packing = field(default_factory=Packing)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -60,59 +73,65 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-# fingerprint -> tokenizer. datasets.map forks its num_proc workers, which inherit this table, so an
-# _Encoder travels to them without its tokenizer: dill-pickling Qwen's tokenizer takes ~6 s and unpickling ~2 s
-# per worker, more than tokenizing 2,000 rows.
-_TOKENIZERS: Dict[str, Any] = {}
+def example_features():
+    """The ``datasets.Features`` of the rows going into tokenization: ``row`` (int), ``messages`` (a list of
+    ``{role, content}`` texts; empty for ``text`` rows) and ``text`` (null for conversations)."""
+    import datasets
+
+    text = datasets.Value("string")
+    return datasets.Features({"row": datasets.Value("int64"),
+                              "messages": datasets.List({"role": text, "content": text}), "text": text})
 
 
-class _Encoder:
-    """The ``datasets.map`` function (a picklable object, so ``num_proc`` workers can run it)."""
+class _CPickled:
+    """Travels to ``datasets.map``'s worker processes as ``obj`` pickled once by the standard library's C pickler,
+    and arrives as ``obj`` itself. The workers' transport (dill) pickles in pure Python: 1.1 s per worker for Qwen's
+    tokenizer (its Python copies of the 151k-entry vocabulary and merges) against 0.16 s once, where tokenizing
+    1,000 rows takes 0.4 s."""
 
-    def __init__(self, tokenizer, dcfg: DataConfig, file: str, unit: str, fingerprint: str) -> None:
-        self.tokenizer, self.file, self.unit, self.key = tokenizer, file, unit, fingerprint
-        self.settings = {"max_seq_len": dcfg.max_seq_len, "train_on": dcfg.train_on,
-                         "system_prompt": dcfg.system_prompt}
-        _TOKENIZERS[fingerprint] = tokenizer
+    def __init__(self, obj: Any) -> None:
+        self.obj, self.blob = obj, None
 
-    def __getstate__(self) -> Dict[str, Any]:
-        tokenizer = self.tokenizer
-        return {**self.__dict__, "tokenizer": None,
-                "reload": (tokenizer.name_or_path, tokenizer.chat_template, tokenizer.pad_token)}
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.tokenizer = _TOKENIZERS.get(self.key)
-        if self.tokenizer is None:  # a spawned worker (not Linux): load the tokenizer again from its directory
-            from transformers import AutoTokenizer
-
-            path, template, pad = state["reload"]
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.tokenizer.chat_template, self.tokenizer.pad_token = template, pad
-            _TOKENIZERS[self.key] = self.tokenizer
-
-    def __call__(self, batch: Dict[str, list]) -> Dict[str, list]:
-        items = [(json.loads(m) if t is None else None, t) for m, t in zip(batch["messages"], batch["text"])]
-        results = encode_many(self.tokenizer, items, **self.settings)
-        out: Dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "overflow", "supervised", "error")}
-        for row, result in zip(batch["row"], results):
-            error = isinstance(result, DataError)
-            ids = [] if error else result["input_ids"]
-            out["input_ids"].append(ids)
-            out["labels"].append([] if error else result["labels"])
-            out["length"].append(len(ids))
-            out["overflow"].append(0 if error else result["overflow"])
-            out["supervised"].append(0 if error else sum(label != IGNORE_INDEX for label in result["labels"]))
-            out["error"].append(str(result.located(self.file, row, self.unit)) if error else "")
-        return out
+    def __reduce__(self):
+        if self.blob is None:
+            self.blob = pickle.dumps(self.obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.loads, (self.blob,)
 
 
-def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig) -> str:
+def encode_batch(batch: Dict[str, list], *, tokenizer, max_seq_len: int, train_on: str,
+                 system_prompt: Optional[str], file: str, unit: str) -> Dict[str, list]:
+    """The ``datasets.map`` function (batched): rows ``row, messages, text`` -> token ids and labels.
+
+    The tokenizer and settings come as keyword arguments (``fn_kwargs``); a module-level function, so ``num_proc``
+    workers receive it by name. Per row: ``input_ids``, ``labels``, ``length``, ``overflow`` (tokens cut),
+    ``supervised`` (supervised tokens kept), ``prompt_len`` (see :func:`qwenft.data.template.encode_many`) and
+    ``error`` (the located DataError text, "" when none; the token columns are then empty or 0).
+    """
+    if isinstance(tokenizer, _CPickled):  # a shard run in this process
+        tokenizer = tokenizer.obj
+    items = list(zip(batch["messages"], batch["text"]))
+    results = encode_many(tokenizer, items, max_seq_len=max_seq_len, train_on=train_on, system_prompt=system_prompt)
+    out: Dict[str, list] = {name: [] for name in ENCODED if name != "row"}
+    for row, result in zip(batch["row"], results):
+        error = isinstance(result, DataError)
+        ids = [] if error else result["input_ids"]
+        out["input_ids"].append(ids)
+        out["labels"].append([] if error else result["labels"])
+        out["length"].append(len(ids))
+        out["overflow"].append(0 if error else result["overflow"])
+        out["supervised"].append(0 if error else sum(label != IGNORE_INDEX for label in result["labels"]))
+        out["prompt_len"].append(0 if error else result["prompt_len"])
+        out["error"].append(str(result.located(file, row, unit)) if error else "")
+    return out
+
+
+def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig, file: str, unit: str) -> str:
+    """The cache entry of ``rows``: a hash of everything the tokenized dataset holds or depends on."""
     digest = hashlib.sha256()
-    settings = [CACHE_VERSION, fingerprint, dcfg.max_seq_len, dcfg.train_on, dcfg.system_prompt]
+    settings = [CACHE_VERSION, fingerprint, dcfg.max_seq_len, dcfg.train_on, dcfg.system_prompt, file, unit]
     digest.update(json.dumps(settings).encode())
-    for row in rows:
-        digest.update(json.dumps([row["messages"], row["text"]], ensure_ascii=False).encode())
+    for row in rows:  # the row numbers too: the dataset holds them (and its error messages name them)
+        digest.update(json.dumps([row["row"], row["messages"], row["text"]], ensure_ascii=False).encode())
     return digest.hexdigest()[:32]
 
 
@@ -120,34 +139,48 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
                   split: str):
     """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached.
 
-    The cache key hashes the rows' contents, the tokenizer (:func:`tokenizer_fingerprint`) and the settings
-    that change the tokens (max_seq_len, train_on, system_prompt); with ``data.cache`` a hit loads the
-    saved dataset from ``<qwenft cache>/data/<key>`` instead of tokenizing.
+    The rows become a typed table first (:func:`example_features`: every message exactly ``{role, content}``);
+    :func:`encode_batch` gets the tokenizer through ``fn_kwargs`` (with ``num_proc > 1`` datasets pickles it to
+    each worker, here with the C pickler, :class:`_CPickled`; the cache key is the map's fingerprint, so datasets
+    never hashes it). The cache key hashes the rows (row numbers and contents), the file and unit the error
+    messages name, the tokenizer (:func:`tokenizer_fingerprint`) and the settings that change the tokens
+    (max_seq_len, train_on, system_prompt). With ``data.cache`` a hit loads the saved dataset from
+    ``<qwenft cache>/data/<key>`` instead of tokenizing; a miss saves what it built there (written to a temporary
+    folder, then renamed into place) and returns the built dataset itself.
 
     Returns:
-        ``(dataset, cache_hit)``; columns ``row, input_ids, labels, length, overflow, supervised, error``.
+        ``(dataset, cache_hit)``; columns :data:`ENCODED` (``row, input_ids, labels, length, overflow,
+        supervised, prompt_len, error``), one row per input row, in order.
     """
     import datasets
     from qwenft.runtime import cache_dir
 
-    key = _cache_key(rows, fingerprint, dcfg)
+    key = _cache_key(rows, fingerprint, dcfg, src.path, unit)
     path = cache_dir() / "data" / key
     if dcfg.cache and (path / "dataset_info.json").is_file():
         return datasets.load_from_disk(str(path)), True
     if not rows:  # map() never calls the encoder on no rows, so the columns are made here
-        return datasets.Dataset.from_dict({name: [] for name in ("row", *COLUMNS, "overflow", "supervised",
-                                                                  "error")}), False
+        return datasets.Dataset.from_dict({name: [] for name in ENCODED}), False
     table = datasets.Dataset.from_dict({
         "row": [r["row"] for r in rows],
-        "messages": [json.dumps(r["messages"], ensure_ascii=False) if r["text"] is None else "" for r in rows],
-        "text": [r["text"] for r in rows]})
+        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] if r["text"] is None
+                     else [] for r in rows],
+        "text": [r["text"] for r in rows]}, features=example_features())
     num_proc = dcfg.num_proc if dcfg.num_proc > 1 and len(rows) >= 2 * dcfg.num_proc else None
-    encoder = _Encoder(tokenizer, dcfg, src.path, unit, fingerprint)
-    encoded = table.map(encoder, batched=True, batch_size=64, num_proc=num_proc,
+    settings = {"tokenizer": _CPickled(tokenizer) if num_proc else tokenizer, "max_seq_len": dcfg.max_seq_len,
+                "train_on": dcfg.train_on, "system_prompt": dcfg.system_prompt, "file": src.path, "unit": unit}
+    encoded = table.map(encode_batch, fn_kwargs=settings, batched=True, batch_size=64, num_proc=num_proc,
                         remove_columns=["messages", "text"], new_fingerprint=key,
                         desc=f"tokenizing {src.name} ({split})")
-    if not dcfg.cache:
-        return encoded, False
+    if dcfg.cache:
+        _save(encoded, path)
+    return encoded, False
+
+
+def _save(encoded, path) -> None:
+    """Save ``encoded`` as the cache entry ``path``: into a temporary folder beside it, renamed into place whole."""
+    import datasets
+
     path.parent.mkdir(parents=True, exist_ok=True)
     work = str(staging_dir(path.parent))
     bars = datasets.utils.are_progress_bars_disabled()
@@ -162,7 +195,6 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
         if not bars:
             datasets.utils.enable_progress_bars()
         shutil.rmtree(work, ignore_errors=True)
-    return datasets.load_from_disk(str(path)), False
 
 
 def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any], name: str):
@@ -198,28 +230,25 @@ def _percentiles(values: List[int]) -> Dict[str, int]:
             "mean": int(round(sum(values) / len(values)))}
 
 
-def _packed(selected, max_len: int):
-    """Concatenate examples into rows of at most ``max_len`` tokens (see :func:`qwenft.data.mix.pack`)."""
-    import datasets
-
-    ids, labels = selected["input_ids"], selected["labels"]
-    rows = pack([len(x) for x in ids], max_len)
-    out: Dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for members in rows:
-        row_ids, row_labels, row_pos = [], [], []
-        for i in members:
-            row_ids.extend(ids[i])
-            # The first token is never predicted unpacked; packed, it would be predicted from the previous
-            # example, so it is masked (the same as transformers' DataCollatorWithFlattening separator).
-            row_labels.extend([IGNORE_INDEX] + list(labels[i][1:]))
-            row_pos.extend(range(len(ids[i])))
-        out["input_ids"].append(row_ids)
-        out["labels"].append(row_labels)
-        out["position_ids"].append(row_pos)
-    return datasets.Dataset.from_dict(out)
+def _with_ids(held: List[dict], encoded, tokenizer, system_prompt: Optional[str]) -> List[dict]:
+    """The held-out rows with their tokens (see :class:`DataBundle` ``eval_rows``), from ``encoded``, their
+    :func:`tokenize_rows` result (one row each, in order). A conversation's prompt is its tokens before the last
+    answer; only where those were cut (``max_seq_len``) or the row could not be encoded is it tokenized again."""
+    out = []
+    columns = (encoded[name] for name in ("row", "input_ids", "labels", "prompt_len", "error"))
+    for row, (number, ids, labels, prompt_len, error) in zip(held, zip(*columns)):
+        assert number == row["row"], "tokenize_rows returns its rows in order"
+        prompt = None
+        if row["text"] is None:
+            prompt = (ids[:prompt_len] if not error and 0 < prompt_len <= len(ids)
+                      else prompt_ids(tokenizer, row["messages"], system_prompt))
+        out.append({**row, "input_ids": None if error else ids, "labels": None if error else labels,
+                    "prompt_ids": prompt})
+    return out
 
 
-def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: int, misses: int) -> DataBundle:
+def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: int, misses: int,
+                      packing: Packing) -> DataBundle:
     """The bundle of a run whose sources all have weight 0: an empty training set, the held-out rows."""
     import datasets
 
@@ -242,7 +271,7 @@ def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: i
              "packing": dcfg.packing, "pack_fill": None, "cache_hits": hits, "cache_misses": misses}
     log.info("data: evaluation only (every source has weight 0): %d eval examples", len(eval_ds))
     return DataBundle(train=empty, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
-                      train_row_ids={})
+                      train_row_ids={}, packing=packing)
 
 
 def build(config: Config, tokenizer) -> DataBundle:
@@ -251,10 +280,11 @@ def build(config: Config, tokenizer) -> DataBundle:
     Steps: read and validate every source (:func:`qwenft.data.read_source`), hold out ``eval_rows`` per source
     (seeded), tokenize with the chat template and response-only labels (cached, ``datasets.map``), apply
     ``overlong`` (truncate keeps the first ``max_seq_len`` tokens; an example left with no supervised token
-    is dropped), mix to the weights (rule in :mod:`qwenft.data.mix`), then pack when ``data.packing``.
+    is dropped), mix to the weights (rule in :mod:`qwenft.data.mix`), then pack as :func:`qwenft.data.packing_of`
+    decides (``data.packing``). The held-out rows keep their tokens for evaluation (``eval_rows``).
 
     Args:
-        config: the validated config (``config.data`` is used).
+        config: the validated config (``config.data``; ``model.attn_implementation`` for the packing).
         tokenizer: from :func:`qwenft.model.load_tokenizer`.
 
     Returns:
@@ -276,6 +306,7 @@ def build(config: Config, tokenizer) -> DataBundle:
     if not dcfg.sources:
         raise ConfigError("data.sources is empty; give at least one source (see conf/data/default.yaml)")
     fingerprint = tokenizer_fingerprint(tokenizer)
+    packing = packing_of(config)
     per_source: Dict[str, Dict[str, Any]] = {}
     usable: Dict[str, Any] = {}
     held_out: Dict[str, Any] = {}
@@ -292,9 +323,9 @@ def build(config: Config, tokenizer) -> DataBundle:
         counts = {"path": src.path, "format": src.format, "rows_read": len(rows) + len(skipped),
                   "skipped": len(skipped), "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
         if held:
-            eval_rows[src.name] = held
             encoded, hit = tokenize_rows(held, tokenizer, dcfg, src, unit, fingerprint, "eval")
             hits, misses = hits + hit, misses + (not hit)
+            eval_rows[src.name] = _with_ids(held, encoded, tokenizer, dcfg.system_prompt)
             held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
         if src.weight > 0:
             encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
@@ -304,7 +335,7 @@ def build(config: Config, tokenizer) -> DataBundle:
         per_source[src.name] = counts
 
     if not usable:  # evaluation-only sources (every weight 0): nothing to mix, only held-out rows
-        return _eval_only_bundle(held_out, eval_rows, per_source, dcfg, hits, misses)
+        return _eval_only_bundle(held_out, eval_rows, per_source, dcfg, hits, misses, packing)
     weights = {src.name: src.weight for src in dcfg.sources}
     available = {name: len(ds) for name, ds in usable.items()}
     counts_used = mix_counts(available, {n: weights[n] for n in available})
@@ -324,7 +355,8 @@ def build(config: Config, tokenizer) -> DataBundle:
     lengths = selected["length"]
     full_lengths = [n + cut for n, cut in zip(lengths, selected["overflow"])]
     n_tokens, n_supervised = sum(lengths), sum(selected["supervised"])
-    train = _packed(selected, dcfg.max_seq_len) if dcfg.packing else selected.select_columns(["input_ids", "labels"])
+    train = (pack_examples(selected, packing.max_len) if packing.packed
+             else selected.select_columns(["input_ids", "labels"]))
     evals = [held_out[n].select_columns(["input_ids", "labels"]) for n in held_out if len(held_out[n])]
     eval_ds = (datasets.concatenate_datasets(evals) if evals
                else datasets.Dataset.from_dict({"input_ids": [], "labels": []}))
@@ -348,4 +380,4 @@ def build(config: Config, tokenizer) -> DataBundle:
     for (name, _), row in zip(picked, selected["row"]):
         row_ids[name].append(row)
     return DataBundle(train=train, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
-                      train_row_ids=row_ids)
+                      train_row_ids=row_ids, packing=packing)

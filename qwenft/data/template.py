@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from qwenft.chat import END_OF_TEXT, IM_END, IM_START
 from qwenft.data.formats import DataError
 
 IGNORE_INDEX = -100  # the label value the loss ignores (torch cross_entropy's default ignore_index)
-IM_END = "<|im_end|>"
-END_OF_TEXT = "<|endoftext|>"
-CHATML_SPECIALS = ("<|im_start|>", IM_END, END_OF_TEXT)
+CHATML_SPECIALS = (IM_START, IM_END, END_OF_TEXT)  # refused inside a turn's content (see :func:`segments`)
 Segments = List[Tuple[str, bool]]  # (text, supervised) pieces of one rendered conversation
 
 
@@ -68,6 +67,11 @@ def _render(tokenizer, messages: Sequence[Dict[str, str]], generation_prompt: bo
 
 
 def segments(tokenizer, messages: Sequence[Dict[str, str]], train_on: str) -> Segments:
+    """Cut the rendered conversation into prompt and answer pieces (:func:`cut`, without the prompt length)."""
+    return cut(tokenizer, messages, train_on)[0]
+
+
+def cut(tokenizer, messages: Sequence[Dict[str, str]], train_on: str) -> Tuple[Segments, int]:
     """Cut the rendered conversation into prompt and answer pieces.
 
     Args:
@@ -76,7 +80,9 @@ def segments(tokenizer, messages: Sequence[Dict[str, str]], train_on: str) -> Se
         train_on: ``assistant`` (every answer), ``last_assistant`` (the final answer) or ``all`` (every token).
 
     Returns:
-        ``[(text, supervised), ...]`` whose texts concatenate to the rendered conversation.
+        ``([(text, supervised), ...], prompt_chars)``: the pieces, whose texts concatenate to the rendered
+        conversation, and the length in characters of the generation prompt of the last answer (a piece
+        boundary: the pieces before it are that prompt, token for token :func:`prompt_ids`).
 
     Raises:
         DataError: no assistant turn, a content holding a ChatML special token as text, or a template that
@@ -100,18 +106,18 @@ def segments(tokenizer, messages: Sequence[Dict[str, str]], train_on: str) -> Se
             raise DataError("the tokenizer's chat template does not render a conversation as an extension of "
                             "its generation prompt; response-only labels need a prefix-stable template")
         answer = full[len(prompt):]
-        cut = answer.rfind(eot)
-        cut = len(answer) if cut < 0 else cut + len(eot)  # content + end-of-turn; the separator goes on
+        end = answer.rfind(eot)
+        end = len(answer) if end < 0 else end + len(eot)  # content + end-of-turn; the separator goes on
         supervised = train_on != "last_assistant" or k == len(answers) - 1
         pieces.append((prompt[len(done):], train_on == "all"))
-        pieces.append((answer[:cut], supervised))
-        done = prompt + answer[:cut]
+        pieces.append((answer[:end], supervised))
+        done = prompt + answer[:end]
     # The conversation ends with its last answer, so the last ``full`` is the whole rendered conversation.
     tail = full[len(done):] if answers and answers[-1] == len(messages) - 1 else _render(tokenizer, messages,
                                                                                          False)[len(done):]
     if tail:
         pieces.append((tail, train_on == "all"))
-    return [(text, flag) for text, flag in pieces if text]
+    return [(text, flag) for text, flag in pieces if text], len(prompt)
 
 
 def assemble(piece_ids: Sequence[Sequence[int]], flags: Sequence[bool], max_seq_len: int) -> Dict[str, object]:
@@ -196,23 +202,28 @@ def prompt_ids(tokenizer, messages: Sequence[Dict[str, str]], system_prompt: Opt
     return _tokenize(tokenizer, [text])[0]
 
 
-def encode_many(tokenizer, items: Sequence[Tuple[Optional[List[Dict[str, str]]], Optional[str]]], *,
+def encode_many(tokenizer, items: Sequence[Tuple[Sequence[Dict[str, str]], Optional[str]]], *,
                 max_seq_len: int, train_on: str, system_prompt: Optional[str]) -> List[object]:
     """Encode a batch of ``(messages, text)`` items with one tokenizer call (the fast tokenizer batches).
 
+    Args:
+        items: a conversation ``[{role, content}]`` with ``text`` None, or ``text`` (its messages unused).
+
     Returns:
-        One entry per item: the :func:`encode_example` / :func:`encode_text` dict, or the DataError it raised.
+        One entry per item: the :func:`encode_example` / :func:`encode_text` dict plus ``prompt_len``, the number
+        of tokens before the last answer (its generation prompt, token for token :func:`prompt_ids`; 0 for
+        text), or the DataError it raised.
     """
     plans: List[object] = []
     texts: List[str] = []
     for messages, text in items:
         try:
-            pieces = ([(text, True)] if text is not None
-                      else segments(tokenizer, with_system(messages or [], system_prompt), train_on))
+            pieces, prompt_chars = (([(text, True)], 0) if text is not None
+                                    else cut(tokenizer, with_system(messages or [], system_prompt), train_on))
         except DataError as exc:
             plans.append(exc)
             continue
-        plans.append((len(texts), pieces, text is not None))
+        plans.append((len(texts), pieces, prompt_chars, text is not None))
         texts.extend(t for t, _ in pieces)
     ids = _tokenize(tokenizer, texts)
     eos = end_of_text_id(tokenizer)
@@ -221,13 +232,18 @@ def encode_many(tokenizer, items: Sequence[Tuple[Optional[List[Dict[str, str]]],
         if isinstance(plan, DataError):
             out.append(plan)
             continue
-        start, pieces, is_text = plan
+        start, pieces, prompt_chars, is_text = plan
         piece_ids = ids[start: start + len(pieces)]
         if is_text:
             piece_ids = [piece_ids[0] + [eos]]
         example = assemble(piece_ids, [f for _, f in pieces], max_seq_len)
         if example["overflow"] == 0 and all(label == IGNORE_INDEX for label in example["labels"]):
             out.append(DataError("no supervised tokens"))
-        else:
-            out.append(example)
+            continue
+        chars = prompt_len = 0
+        for (text, _), tokens in zip(pieces, piece_ids):  # the prompt ends on a piece boundary
+            if chars >= prompt_chars:
+                break
+            chars, prompt_len = chars + len(text), prompt_len + len(tokens)
+        out.append({**example, "prompt_len": prompt_len})
     return out

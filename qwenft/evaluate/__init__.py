@@ -4,6 +4,9 @@
 - :mod:`~qwenft.evaluate.metrics`: exact match of the final number, character F1, ROUGE-L, distinct-2.
 - :mod:`~qwenft.evaluate.run`: base (adapter off) vs tuned (adapter on) in one process; ``qwenft eval``.
 - :mod:`~qwenft.evaluate.report`: metrics.json, generations.jsonl, report.md and PNG plots.
+
+A command room: it may import :mod:`qwenft.generation` (the sampler), :mod:`qwenft.model`, :mod:`qwenft.data`,
+:mod:`qwenft.chat`, :mod:`qwenft.runtime`, :mod:`qwenft.files` and :mod:`qwenft.config`.
 """
 
 from qwenft.evaluate.run import eval_command, evaluate, generate_preset, run_after_train

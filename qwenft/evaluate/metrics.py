@@ -168,7 +168,6 @@ def contains_fact(prediction: str, fact: Optional[str]) -> Optional[float]:
 
 
 METRICS = {"exact_match_number": exact_match_number, "char_f1": char_f1, "rouge_l": rouge_l}
-ROW_METRICS = ("contains_fact",)  # computed from a row field rather than the reference answer
 
 
 def score(prediction: str, reference: str, names: Sequence[str],

@@ -1,8 +1,9 @@
 """Base vs tuned evaluation: generation metrics per source and perplexity, in one process.
 
 The same loaded base serves both sides: the adapter is disabled (``PeftModel.disable_adapter()``) for
-"base" and enabled for "tuned", so nothing is loaded twice. Prompts are built with
-:func:`qwenft.data.prompt_ids`, token for token the prefix the trainer supervised after.
+"base" and enabled for "tuned", so nothing is loaded twice. The held-out rows come tokenized in the data
+bundle (``DataBundle.eval_rows``): their prompts (``prompt_ids``, token for token the prefix the trainer
+supervised after, :func:`qwenft.data.prompt_ids`) and their ``input_ids`` / ``labels`` are used as they are.
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ def generation_eval(model, tokenizer, config: Config, rows: List[dict], settings
                     label: str) -> List[dict]:
     """Generate an answer for every held-out row (batched) and score it against the reference.
 
+    Args:
+        rows: held-out conversations of the bundle (``DataBundle.eval_rows``), each with its ``prompt_ids``.
+
     Returns:
         One dict per row: ``text``, ``stop_reason``, ``tokens`` (answer length) and the metric values.
     """
     from tqdm.auto import tqdm
 
-    from qwenft.data import prompt_ids
     from qwenft.generation import Sampler
 
     sampler = Sampler(model, tokenizer, settings)
     results: List[dict] = []
-    prompts = [prompt_ids(tokenizer, row["messages"], config.data.system_prompt) for row in rows]
+    prompts = [row["prompt_ids"] for row in rows]
     batches = range(0, len(prompts), settings.batch_size)
     for start in tqdm(batches, desc=f"generate ({label})", unit="batch", leave=False):
         out = sampler.generate(prompts[start:start + settings.batch_size])
@@ -97,8 +100,9 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, Optional[flo
 
 
 def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str, Any]]:
-    """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers."""
-    from qwenft.data import encode_example, encode_text, resolve_path
+    """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers (the bundle's
+    ``input_ids`` / ``labels`` of its held-out rows, as trained on: a ``text`` row counts every token)."""
+    from qwenft.data import resolve_path
     from qwenft.data.read import read_text
 
     out: Dict[str, Dict[str, Any]] = {}
@@ -110,14 +114,9 @@ def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str
                                    batch_size=config.eval.batch_size, pad_id=tokenizer.pad_token_id, progress=True)
         out[f"text:{path.name}"] = result.as_dict()
     for name, rows in (bundle.eval_rows if bundle is not None else {}).items():
-        examples = []
-        for row in rows:
-            if row["messages"]:
-                enc = encode_example(tokenizer, row["messages"], max_seq_len=config.data.max_seq_len,
-                                     train_on=config.data.train_on, system_prompt=config.data.system_prompt)
-            else:  # a `text` source: every token counts
-                enc = encode_text(tokenizer, row["text"], max_seq_len=config.data.max_seq_len)
-            examples.append((enc["input_ids"], enc["labels"]))
+        examples = [(row["input_ids"], row["labels"]) for row in rows if row["input_ids"] is not None]
+        if not examples:  # every held-out row of the source was skipped as bad (data.on_bad_row=skip)
+            continue
         result = perplexity_of_labels(model, examples, batch_size=config.eval.batch_size,
                                       pad_id=tokenizer.pad_token_id, progress=True)
         out[f"answers:{name}"] = result.as_dict()
@@ -199,27 +198,19 @@ def run_after_train(config: Config, model, tokenizer, bundle) -> Dict[str, Any]:
 def eval_command(config: Config) -> None:
     """``qwenft eval [adapter=PATH]``: evaluate the base, and the tuned model when an adapter is given."""
     from qwenft import data as data_lib
-    from qwenft.model.adapter import inference_config
     from qwenft.evaluate.report import write_outputs
-    from qwenft.model import (check_adapter_dir, load_adapter, load_model, load_tokenizer, read_adapter_meta,
-                              resolve_model_dir)
+    from qwenft.model import load_tokenizer, resolve_model_dir
+    from qwenft.model.inference import load_for_inference, prepare_inference
 
     generate_preset(config)
     check_ppl_sources(config)
-    if config.adapter:
-        check_adapter_dir(config.adapter)  # before the model load
-        config = inference_config(config)  # the base the adapter was trained on (its qwenft.json)
-    if config.adapter and read_adapter_meta(config.adapter):
-        log.info("adapter trained on %s", read_adapter_meta(config.adapter).get("model", {}).get("name"))
+    config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     # The data is read and checked with the tokenizer alone: bad data stops before the weights load.
     tokenizer = load_tokenizer(resolve_model_dir(config.model),
                                config.model.revision if config.model.source == "hub" else None)
     bundle = data_lib.build(config, tokenizer) if config.data.sources else None
-    model, tokenizer = load_model(config, tokenizer=tokenizer)
-    sides = ["base"]
-    if config.adapter:
-        model = load_adapter(model, config.adapter)
-        sides.append("tuned")
+    model, tokenizer = load_for_inference(config, tokenizer=tokenizer)
+    sides = ["base", "tuned"] if config.adapter else ["base"]
     report = evaluate(model, tokenizer, config, bundle, sides)
     write_outputs(config, Path(config.out_dir), report)
     print(f"report: {Path(config.out_dir) / 'report.md'}")

@@ -18,6 +18,10 @@
    A non-empty ``DIR`` is refused unless ``merge.overwrite=true``. A re-run whose ``DIR`` already holds a
    verified merge of the same adapter with the same settings does nothing (``qwenft_merge.json`` records it);
    ``merge.overwrite=true`` redoes it.
+
+A command room (modules: :mod:`~qwenft.export.build`, :mod:`~qwenft.export.verify`, :mod:`~qwenft.export.gguf_file`,
+:mod:`~qwenft.export.card`): it may import :mod:`qwenft.model`, :mod:`qwenft.chat`, :mod:`qwenft.runtime`,
+:mod:`qwenft.runlock`, :mod:`qwenft.files` and :mod:`qwenft.config`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from qwenft.model.adapter import resolve_base
+from qwenft.model.adapter import check_adapter_dir, resolve_base
 from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
 from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
@@ -45,13 +49,12 @@ from qwenft.export.card import model_card
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
 from qwenft.files import publish_mode, staging_dir
 from qwenft.model import MERGE_MARKER, read_adapter_meta
-from qwenft.runlock import pid_alive as _pid_alive
+from qwenft.runlock import abandoned, write_locked
 
 log = logging.getLogger(__name__)
 
 MARKER = MERGE_MARKER
-OWNER = ".qwenft-merge.pid"
-PAUSE_ENV = "QWENFT_TEST_MERGE_PAUSE"  # test hook: seconds to sleep after the shards are written
+OWNER = ".qwenft-merge.pid"  # in DIR.tmp-* (then DIR.old-*): the merging process's id, locked while it runs
 
 __all__ = ["merge", "merge_command", "VerificationError", "MARKER"]
 
@@ -70,10 +73,7 @@ def _paths(config: Config):
     if not config.adapter:
         raise QwenftError("adapter=PATH is required: the adapter directory written by `python -m qwenft train` "
                           "(<run dir>/adapter)")
-    adapter_dir = Path(config.adapter).expanduser().resolve()
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise QwenftError(f"adapter={config.adapter}: no adapter_config.json in {adapter_dir}: run "
-                          "`python -m qwenft train` first (it writes <run dir>/adapter)")
+    adapter_dir = check_adapter_dir(config.adapter).resolve()
     if not config.out:
         raise QwenftError("out=DIR is required: the directory the merged model is written to")
     out = Path(config.out).expanduser().resolve()
@@ -117,31 +117,40 @@ def _already_done(out: Path, request: dict) -> bool:
 
 
 def _remove_stale(out: Path) -> None:
-    """Remove ``DIR.tmp-*`` / ``DIR.old-*`` left by merges that were killed (their owner process is gone)."""
+    """Remove ``DIR.tmp-*`` / ``DIR.old-*`` left by merges that were killed.
+
+    Each holds the ``OWNER`` file its merge keeps locked while it runs (:func:`qwenft.runlock.write_locked`): a lock
+    that can be taken has no live holder (:func:`qwenft.runlock.abandoned`), so that folder's merge is gone, however
+    it ended. A folder without that file is left alone.
+    """
     for path in list(out.parent.glob(f"{out.name}.tmp-*")) + list(out.parent.glob(f"{out.name}.old-*")):
-        owner = path / OWNER if ".tmp-" in path.name else None
-        try:
-            pid = int(owner.read_text()) if owner else int(path.name.rsplit("-", 1)[1])
-        except (OSError, ValueError):
-            continue
-        if not _pid_alive(pid):
+        if abandoned(path / OWNER):
             log.info("removing %s (left by a merge that was killed)", path)
             shutil.rmtree(path, ignore_errors=True)
 
 
 def _commit(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out`` (replacing an empty ``out``, or a full one moved aside first)."""
+    """Rename the finished ``tmp`` to ``out`` (replacing an empty ``out``, or a full one moved aside first).
+
+    ``tmp/OWNER`` (locked by this merge) never reaches ``out``: it is removed first, or it goes with the previous
+    model into ``DIR.old-*``, marking that folder as this live merge's until it is removed.
+    """
+    owner = tmp / OWNER
+    if out.is_dir() and any(out.iterdir()):
+        old = out.parent / f"{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        try:
+            os.rename(owner, old / OWNER)
+            os.rename(tmp, out)
+        except BaseException:
+            if not owner.exists() and (old / OWNER).exists():
+                os.rename(old / OWNER, owner)
+            os.rename(old, out)  # put the previous model back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    owner.unlink()
     if out.is_dir():
-        if any(out.iterdir()):
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(old, out)  # put the previous model back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-            return
         out.rmdir()
     os.rename(tmp, out)
 
@@ -195,15 +204,18 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     log.info("base %s (%s) %s", model_cfg.name, model_cfg.source, why)
     with _terminate_as_interrupt():
         tmp = staging_dir(out.parent, f"{out.name}.tmp-")
+        owner = None
         try:
-            (tmp / OWNER).write_text(str(os.getpid()))
+            owner = write_locked(tmp / OWNER, str(os.getpid()))  # held until the end: tmp is a live merge's
             _build(config, adapter_dir, out.name, tmp, model_cfg, quant_cfg, why, device or default_device(),
                    request)
-            (tmp / OWNER).unlink()
             _commit(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            if owner is not None:
+                os.close(owner)
     print(f"merged model written to {out}")
     return out
 
@@ -229,10 +241,6 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     tied = retie_(merged, was_tied)
     save_merged(merged, tokenizer, tmp, merge_cfg.max_shard_size)
     log.info("merged and saved (%.1f s)", time.perf_counter() - start)
-    if os.environ.get(PAUSE_ENV):
-        print(f"qwenft merge: test hook: pausing {os.environ[PAUSE_ENV]} s after writing the shards",
-              file=sys.stderr, flush=True)
-        time.sleep(float(os.environ[PAUSE_ENV]))
     del merged, peft_model, model  # free the memory before the reload check loads the model again
     gc.collect()
 

@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 
 from qwenft.config import MergeConfig, ModelConfig, QuantConfig, QwenftError
-from qwenft.chat import stop_token_ids
+from qwenft.chat import set_end_tokens
 from qwenft.model import load_adapter, load_tokenizer, resolve_model_dir
 from qwenft.runtime import resolve_dtype, torch_dtype
 
@@ -173,14 +173,11 @@ def merge_(peft_model, adapter_dir: Path):
 
 def save_merged(model, tokenizer, out_dir: Path, max_shard_size: str) -> None:
     """Save the merged model as safetensors shards, the tokenizer (with its chat template) and a
-    generation_config that stops on every end token (:func:`qwenft.chat.stop_token_ids`)."""
+    generation_config that stops on every end token (:func:`qwenft.chat.set_end_tokens`)."""
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.use_cache = True
-    gen = model.generation_config
-    gen.eos_token_id = stop_token_ids(tokenizer, gen)
-    gen.pad_token_id = tokenizer.pad_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
+    set_end_tokens(model, tokenizer)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out_dir)
     config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))

@@ -6,6 +6,10 @@
 - :mod:`~qwenft.generation.text`: incremental detokenization, stop strings, streaming deltas.
 - :mod:`~qwenft.generation.generate`: :class:`Sampler`, the prefill + decode loop.
 - :mod:`~qwenft.generation.command`: ``python -m qwenft generate``.
+
+A command room whose sampler the evaluation also uses: it may import :mod:`qwenft.model`, :mod:`qwenft.data`
+(the chat template's prompt ids), :mod:`qwenft.chat`, :mod:`qwenft.runtime`, :mod:`qwenft.files` and
+:mod:`qwenft.config`.
 """
 
 from qwenft.generation.generate import (GenerationOutput, GenerationStats, Sampler, SequenceResult, TextStream,

@@ -159,20 +159,13 @@ def generate_command(config: Config) -> None:
     if config.prompt is not None and not config.prompt.strip():
         raise QwenftError("prompt: empty prompt")
 
-    from qwenft.model.adapter import inference_config
     from qwenft.generation.generate import Sampler
-    from qwenft.model import check_adapter_dir, dequantize_for_inference, load_adapter, load_model
+    from qwenft.model.inference import load_for_inference, prepare_inference
     from qwenft.runtime import default_device
 
-    if config.adapter:
-        check_adapter_dir(config.adapter)  # before the (slow) model load
-        config = inference_config(config)  # the base the adapter was trained on (its qwenft.json)
+    config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     device = default_device()
-    model, tokenizer = load_model(config, device=device)
-    if config.adapter:
-        model = load_adapter(model, config.adapter)
-    model.eval()
-    dequantize_for_inference(model, config.quant, device)
+    model, tokenizer = load_for_inference(config, device=device)
     sampler = Sampler(model, tokenizer, config.generate)
     system_prompt = config.data.system_prompt
     if rows is None:

@@ -38,7 +38,7 @@ def new_static_cache(model, max_cache_len: int):
 def cache_bytes(cache) -> int:
     """Bytes held by the keys and values of ``cache`` (all layers, all rows, padding included)."""
     total = 0
-    for layer in getattr(cache, "layers", []):
+    for layer in getattr(cache, "layers", None) or []:
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
             if isinstance(tensor, torch.Tensor):

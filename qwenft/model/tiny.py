@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 from qwenft.config import TinyModelConfig
-from qwenft.files import staging_dir
+from qwenft.files import publish_dir, staging_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2.5 renders it (system turn first, default system prompt when none is given).
@@ -105,10 +104,7 @@ def tiny_model_dir(tcfg: TinyModelConfig) -> Path:
     try:
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)
-        try:
-            os.replace(work, final)
-        except OSError:  # another process finished first: theirs is identical
-            pass
+        publish_dir(work, final, replace=False)  # another process may have finished first: theirs is identical
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final

@@ -19,9 +19,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
-from qwenft.config import ALL_TARGETS, LoraConfig, ModelConfig, QwenftError
+from qwenft.config import LoraConfig, ModelConfig, QwenftError
 
 # The config.json numbers of the models qwenft ships presets for, so a plan needs no download. Checked against
 # the published config.json files (DESIGN.md, "Facts to get right").
@@ -208,9 +208,3 @@ def lora_parameter_count(arch: Architecture, lcfg: LoraConfig) -> int:
     if lcfg.bias == "all":
         per_layer += sum(biased.values())
     return arch.num_hidden_layers * per_layer
-
-
-def targets_of(lcfg: Optional[LoraConfig]) -> Tuple[str, ...]:
-    """The LoRA target names in the canonical order of :data:`qwenft.config.ALL_TARGETS`."""
-    chosen = set(lcfg.target_modules) if lcfg is not None else set()
-    return tuple(name for name in ALL_TARGETS if name in chosen)

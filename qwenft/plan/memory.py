@@ -47,7 +47,8 @@ class TrainSetup:
     ``model.dtype``; ``compute_bytes``: bytes of ``quant.compute_dtype`` (what NF4 weights are dequantized to);
     a dtype ``auto`` is bfloat16 where bf16 is native, else float32. A CUDA device is assumed to have native
     bf16 (Ampere or newer); for a CPU the machine running the plan is asked (``qwenft.runtime.native_bf16``).
-    ``optim``: the optimizer, ``auto`` resolved to ``paged_adamw_8bit`` on CUDA and ``adamw_torch`` on a CPU.
+    ``optim``: the optimizer (:func:`qwenft.runtime.resolve_optim`: ``paged_adamw_8bit`` on CUDA, ``adamw_torch`` on
+    a CPU and under FSDP / DeepSpeed); ``amp`` follows :func:`qwenft.runtime.resolve_precision`.
     ``supervised``: the share of tokens projected onto the vocabulary by the loss. ``kernels``: ``train.kernels``
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
     """
@@ -82,16 +83,13 @@ class TrainSetup:
         nf4 = config.quant.method == "nf4"
         model_dtype = resolve(config.model.dtype)
         compute = resolve(config.quant.compute_dtype) if nf4 else model_dtype
-        precision = config.train.precision
-        if precision == "auto":
-            precision = "bf16" if compute == "bfloat16" and native_bf16() else "fp32"
-        optim = config.train.optim
-        if optim == "auto":
-            optim = "paged_adamw_8bit" if device == "cuda" else "adamw_torch"
         from qwenft.kernels import liger_installed
+        from qwenft.runtime import resolve_optim, resolve_precision
 
+        precision = resolve_precision(config.train.precision, compute, native_bf16())
+        optim = resolve_optim(config.train.optim, config.dist.strategy, device == "cuda")
         kernels = config.train.kernels
-        if kernels == "auto":
+        if kernels == "auto":  # qwenft.kernels.resolve_kernels, for a device this machine may not have
             kernels = "liger" if device == "cuda" and liger_installed() else "none"
         return cls(device=device, nf4=nf4, double_quant=config.quant.double_quant,
                    model_bytes=DTYPE_BYTES[model_dtype], compute_bytes=DTYPE_BYTES[compute],

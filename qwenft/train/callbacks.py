@@ -1,8 +1,12 @@
-"""Callbacks of ``qwenft train``: the progress bar (loss, lr, tokens/s; ETA from tqdm)."""
+"""Callbacks of ``qwenft train``: atomic checkpoints (:class:`AtomicCheckpoints`) and the progress bar (loss, lr,
+tokens/s; ETA from tqdm)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from pathlib import Path
 
 from transformers import TrainerCallback
 
@@ -43,3 +47,68 @@ class ProgressBarCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+STAGING_NAME = ".tmp-staging"  # the Trainer's output_dir inside <run>/checkpoints (a stale one is removed at start)
+
+
+def staging_root(checkpoint_dir) -> Path:
+    """The folder the Trainer writes ``checkpoint-N`` into (its ``TrainingArguments.output_dir``) before
+    :class:`AtomicCheckpoints` renames it into ``checkpoint_dir``: on the same filesystem, so the rename is atomic."""
+    return Path(checkpoint_dir) / STAGING_NAME
+
+
+class AtomicCheckpoints(TrainerCallback):
+    """Checkpoints that appear in ``checkpoint_dir`` whole or not at all, on transformers' public callback API.
+
+    The Trainer writes ``checkpoint-N`` into :func:`staging_root` (``TrainingArguments.output_dir``). transformers
+    (5.24, ``Trainer._maybe_log_save_evaluate``) calls ``on_save`` on every rank right after its
+    ``_save_checkpoint`` returned, with no barrier in between: other ranks may still be writing their RNG states (with
+    FSDP / DeepSpeed, their shards) into the same folder. So every rank first waits for all the others; then rank 0
+    adds ``qwenft.json`` (the base, quantization and LoRA settings, so ``adapter=.../checkpoint-N`` runs on the right
+    base), gives the files ordinary permissions, renames the folder to ``checkpoint_dir/checkpoint-N``, removes the
+    emptied staging folder and keeps the newest ``save_total_limit`` checkpoints (by step) in ``checkpoint_dir``;
+    every rank waits again, so none goes on before ``checkpoint-N`` exists. A process killed at any moment leaves at
+    most a stale staging folder, which ``train`` removes at its next start and ``train.resume=auto`` never reads.
+
+    Args:
+        checkpoint_dir: Where complete checkpoints live (``<run>/checkpoints``).
+        config: The run's config, written into every checkpoint as ``qwenft.json`` (None: not written).
+    """
+
+    def __init__(self, checkpoint_dir, config=None) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.config = config
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.process_index == 0:  # made empty by the Trainer when it was built; each save makes it again
+            with contextlib.suppress(OSError):
+                os.rmdir(args.output_dir)
+
+    def on_save(self, args, state, control, **kwargs):
+        from qwenft.train.dist import barrier
+
+        barrier()  # every rank has written its part of checkpoint-N
+        if args.process_index == 0:
+            self.publish(args.output_dir, state.global_step, args.save_total_limit)
+        barrier()  # no rank goes on before checkpoint-N exists
+
+    def publish(self, staging, step: int, save_total_limit=None) -> Path:
+        """Move the complete ``staging/checkpoint-<step>`` to ``checkpoint_dir`` (replacing one of the same step,
+        e.g. saved again after a resume), then rotate; returns the checkpoint's path."""
+        import shutil
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from qwenft.files import publish_dir
+
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        staged = Path(staging) / name
+        if self.config is not None:
+            from qwenft.model import save_adapter_meta
+
+            save_adapter_meta(str(staged), self.config)
+        final = publish_dir(staged, self.checkpoint_dir / name)  # safetensors writes its files 0600
+        shutil.rmtree(staging, ignore_errors=True)  # empty now
+        rotate_checkpoints(output_dir=str(self.checkpoint_dir), save_total_limit=save_total_limit, use_mtime=False)
+        return final

@@ -10,9 +10,15 @@ accelerate, runs DDP, FSDP or DeepSpeed from the TrainingArguments this module f
   before Hydra creates anything (:func:`launch_overrides`); rank 0 alone takes the run directory's lock
   (:class:`qwenft.runlock.RunLock`) and keeps Hydra's ``.hydra/`` and ``train.log``;
 - only rank 0 writes qwenft's own files (config.yaml, adapter/, metrics.json, the report); checkpoints are
-  written by every rank into one staging folder that rank 0 renames (``QwenftTrainer._save_checkpoint``);
+  written by every rank into one staging folder that rank 0 renames
+  (:class:`qwenft.train.callbacks.AtomicCheckpoints`);
 - environment problems (a missing deepspeed or flash-attn package, no GPU, no distributed launch) stop the run
   with one line before anything is written (:func:`preflight`).
+
+Process control is accelerate's ``PartialState`` (the process group, barriers, main-process-first, broadcast,
+reduce), the object the Trainer itself uses; it is created only under a launch of several processes (in one
+process nothing here starts ``torch.distributed``). Before it exists, the rank and world size are read from the
+launcher's environment (:mod:`qwenft.runtime`): constructing a ``PartialState`` would start the process group.
 
 Data order stays exact: every rank builds the same mixed dataset (rank 0 first, the others then read its
 tokenization cache) and the Trainer's sampler, seeded identically on every rank, deals the batches out:
@@ -72,90 +78,92 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _group():
-    """``torch.distributed`` when its default group is initialised (else None)."""
+def _state():
+    """accelerate's ``PartialState`` of a launch of several processes once its process group runs (started by
+    :func:`init_process_group`, or by the Trainer's ``TrainingArguments``), else None: one process has nothing to
+    coordinate, and nothing here starts a group as a side effect (or uses one :func:`destroy` tore down)."""
     if world_size() <= 1:
         return None
-    import torch.distributed as tdist
+    import torch.distributed
 
-    return tdist if tdist.is_available() and tdist.is_initialized() else None
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=not _cuda())  # already made: the arguments are ignored
 
 
 def init_process_group(dcfg: DistConfig) -> bool:
-    """Initialise torch.distributed's default group once, when launched with several processes.
+    """Start torch.distributed's default group once, when launched with several processes, through accelerate's
+    ``PartialState``.
 
-    Uses the backend the Trainer would use (:func:`backend`), so accelerate finds it ready and reuses it; on CUDA
-    the process first selects its GPU, ``cuda:LOCAL_RANK``.
+    Uses the backend and timeout the Trainer would use (:func:`backend`, ``dist.timeout_s``), so the Trainer's
+    ``TrainingArguments`` find the group ready and reuse it; on CUDA the process uses its GPU, ``cuda:LOCAL_RANK``.
 
     Returns:
         Whether this is a run of several processes.
     """
     if world_size() <= 1:
         return False
-    import torch
-    import torch.distributed as tdist
-
-    if tdist.is_initialized():
-        return True
     from datetime import timedelta
 
-    cuda = _cuda() and dcfg.backend != "gloo"
-    if cuda:
-        torch.cuda.set_device(local_rank())
-    tdist.init_process_group(backend=backend(dcfg, cuda), timeout=timedelta(seconds=dcfg.timeout_s))
+    from accelerate import PartialState
+
+    cuda = _cuda()
+    PartialState(cpu=not cuda, backend=backend(dcfg, cuda), timeout=timedelta(seconds=dcfg.timeout_s))
     return True
 
 
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
-    tdist = _group()
-    if tdist is not None:
-        if tdist.get_backend() == "nccl":
-            tdist.barrier(device_ids=[local_rank()])
-        else:
-            tdist.barrier()
+    state = _state()
+    if state is not None:
+        state.wait_for_everyone()
 
 
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
-    """Run the body on rank 0 first, then on the other ranks (e.g. to fill a cache once)."""
-    if not is_main_process():
-        barrier()
+    """Run the body on rank 0 first, then on the other ranks (e.g. to fill a cache once).
+
+    ``PartialState.main_process_first`` with one difference: when the body raises on rank 0 (bad data), the other
+    ranks are still let go (they then meet the same error themselves) instead of waiting at the barrier until the
+    process group's timeout.
+    """
+    state = _state()
+    if state is not None and not state.is_main_process:
+        state.wait_for_everyone()
     try:
         yield
     finally:
-        if is_main_process():
-            barrier()
+        if state is not None and state.is_main_process:
+            state.wait_for_everyone()
 
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (picklable objects; the object itself in one process)."""
-    tdist = _group()
-    if tdist is None:
+    if _state() is None:
         return obj
-    box = [obj]
-    tdist.broadcast_object_list(box, src=0)
-    return box[0]
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]
 
 
 def sum_over_ranks(value: int) -> int:
     """The sum of an integer over all ranks (the value itself in one process)."""
-    tdist = _group()
-    if tdist is None:
+    state = _state()
+    if state is None:
         return value
     import torch
+    from accelerate.utils import reduce
 
-    device = f"cuda:{local_rank()}" if tdist.get_backend() == "nccl" else "cpu"
-    total = torch.tensor([value], dtype=torch.int64, device=device)
-    tdist.all_reduce(total)
-    return int(total.item())
+    return int(reduce(torch.tensor([value], dtype=torch.int64, device=state.device), reduction="sum").item())
 
 
 def destroy() -> None:
     """Tear down the default process group (after the last collective)."""
-    tdist = _group()
-    if tdist is not None:
-        tdist.destroy_process_group()
+    state = _state()
+    if state is not None:
+        state.destroy_process_group()
 
 
 def _quote(value: str) -> str:

@@ -8,8 +8,9 @@ Run directory (``out_dir``)::
     metrics.json                train metrics: loss curve, eval loss, steps, tokens, tokens/s, seconds
     train.log                   the log (Hydra's job log)
 
-A checkpoint is written under ``checkpoints/.tmp-*`` and renamed to ``checkpoint-N`` only when complete, so
-a process killed at any moment never leaves a checkpoint that ``train.resume=auto`` would pick up half-written.
+The Trainer writes a checkpoint under ``checkpoints/.tmp-staging`` and a callback renames it to ``checkpoint-N``
+only when complete (:class:`qwenft.train.callbacks.AtomicCheckpoints`), so a process killed at any moment never
+leaves a checkpoint that ``train.resume=auto`` would pick up half-written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from qwenft.config import Config, QwenftError
-from qwenft.files import atomic_write_text, publish_tree, staging_dir
+from qwenft.files import atomic_write_text, publish_dir, staging_dir
 from qwenft.train.trainer import _on_cuda, make_trainer
 
 log = logging.getLogger("qwenft.train")
@@ -179,12 +180,7 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
         save_adapter_meta(str(staging), config)
-        publish_tree(staging)
-        if final.exists():
-            old = out_dir / f".old-adapter-{os.getpid()}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(staging, final)
+        publish_dir(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
@@ -226,7 +222,7 @@ def run(config: Config) -> Path:
     from transformers import set_seed
 
     from qwenft import data as data_lib
-    from qwenft import dist
+    import qwenft.train.dist as dist
     from qwenft.kernels import apply_kernels, resolve_kernels
     from qwenft.model import attach_lora, load_model, load_tokenizer, resolve_model_dir
     from qwenft.runtime import default_device
@@ -254,7 +250,9 @@ def run(config: Config) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "config.yaml", config_yaml(config))
         checkpoint_dir.mkdir(exist_ok=True)
-        for stale in checkpoint_dir.glob(".tmp-*"):  # left by a process killed while saving
+        # left by a process killed while saving: the Trainer's staging folder (qwenft.train.callbacks.staging_root),
+        # a checkpoint being replaced (qwenft.files.publish_dir)
+        for stale in [*checkpoint_dir.glob(".tmp-*"), *checkpoint_dir.glob(".old-*")]:
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     if config.logger == "wandb":

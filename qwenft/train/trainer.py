@@ -1,25 +1,18 @@
-"""The Trainer behind ``qwenft train``: :class:`QwenftTrainer` (atomic checkpoints, NaN guard, the loss under
-autocast without a logits tensor) and :func:`make_trainer`, which maps the config onto transformers'
-``TrainingArguments``."""
+"""The Trainer behind ``qwenft train``: :class:`QwenftTrainer` (NaN guard, the loss under autocast without a logits
+tensor) and :func:`make_trainer`, which maps the config onto transformers' ``TrainingArguments`` and adds the
+callbacks (atomic checkpoints: :class:`qwenft.train.callbacks.AtomicCheckpoints`)."""
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-
-from qwenft.files import publish_tree
-
-from pathlib import Path
 
 from qwenft.config import Config, ConfigError, QwenftError
 
@@ -31,15 +24,14 @@ class NonFiniteError(QwenftError):
 
 
 def _precision(config: Config, model) -> Dict[str, bool]:
+    """The TrainingArguments' ``bf16`` / ``fp16`` flags (:func:`qwenft.runtime.resolve_precision`)."""
     import torch
 
-    from qwenft.runtime import native_bf16, resolve_dtype
+    from qwenft.runtime import native_bf16, resolve_dtype, resolve_precision
 
-    choice = config.train.precision
     device = str(next(model.parameters()).device)
-    if choice == "auto":  # bf16 autocast only where bf16 is native: elsewhere it is far slower than fp32
-        compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
-        choice = "bf16" if resolve_dtype(compute, device) == "bfloat16" and native_bf16(device) else "fp32"
+    compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
+    choice = resolve_precision(config.train.precision, resolve_dtype(compute, device), native_bf16(device))
     if choice == "fp16":
         if not torch.cuda.is_available():
             raise ConfigError("train.precision='fp16' needs a CUDA device; use bf16 or fp32 on a CPU")
@@ -48,24 +40,29 @@ def _precision(config: Config, model) -> Dict[str, bool]:
 
 
 def _optim(config: Config) -> str:
+    """``train.optim`` for the TrainingArguments (:func:`qwenft.runtime.resolve_optim`)."""
     import torch
 
-    if config.train.optim != "auto":
-        return config.train.optim
-    if config.dist.strategy in ("fsdp", "deepspeed"):  # bitsandbytes' paged states do not shard (peft's caveats)
-        return "adamw_torch"
-    return "paged_adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+    from qwenft.runtime import resolve_optim
+
+    return resolve_optim(config.train.optim, config.dist.strategy, torch.cuda.is_available())
 
 
 def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bool):
-    """Map ``config.train`` and ``config.dist`` onto ``transformers.TrainingArguments``."""
+    """Map ``config.train`` and ``config.dist`` onto ``transformers.TrainingArguments``.
+
+    The Trainer's ``output_dir`` is the staging folder inside ``checkpoint_dir``
+    (:func:`qwenft.train.callbacks.staging_root`): :class:`~qwenft.train.callbacks.AtomicCheckpoints` renames each
+    complete checkpoint from there into ``checkpoint_dir``.
+    """
     from transformers import TrainingArguments
 
+    from qwenft.train.callbacks import staging_root
     from qwenft.train.dist import training_kwargs
 
     t = config.train
     return TrainingArguments(
-        output_dir=str(checkpoint_dir), run_name=Path(config.out_dir).name,
+        output_dir=str(staging_root(checkpoint_dir)), run_name=Path(config.out_dir).name,
         learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,  # < 1: a ratio
         num_train_epochs=t.epochs, max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.grad_accum,
@@ -111,10 +108,11 @@ def _on_cuda(model) -> bool:
 
 
 def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path):
-    """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator and callbacks."""
-    from qwenft.data import DataCollator
+    """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator (as the bundle's packing says) and
+    callbacks."""
+    from qwenft.data import collator
     from qwenft.kernels import resolve_kernels
-    from qwenft.train.callbacks import ProgressBarCallback
+    from qwenft.train.callbacks import AtomicCheckpoints, ProgressBarCallback
     from qwenft.train.trainer import QwenftTrainer
 
     has_eval = bundle.eval is not None and len(bundle.eval) > 0
@@ -122,24 +120,20 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path)
     if args.bf16 or args.fp16:
         head_to_autocast_dtype(model, torch_dtype_of(args))
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
-                            eval_dataset=bundle.eval if has_eval else None,
-                            # flash-attention honours packed boundaries only in one flattened row
-                            data_collator=DataCollator(tokenizer, flatten=config.data.packing and
-                                                       config.model.attn_implementation == "flash_attention_2"))
+                            eval_dataset=bundle.eval if has_eval else None, data_collator=collator(bundle, tokenizer))
+    trainer.add_callback(AtomicCheckpoints(checkpoint_dir, config))
     trainer.add_callback(ProgressBarCallback())
-    trainer.qwenft_config = config
+    trainer.checkpoint_dir = str(checkpoint_dir)
     trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
     return trainer
 
 
 class QwenftTrainer(Trainer):
-    """transformers' Trainer with three changes:
+    """transformers' Trainer with these changes (checkpoints are made atomic by a callback, see :func:`make_trainer`):
 
-    - checkpoints are written under a temporary name and renamed to ``checkpoint-N`` when complete;
     - a non-finite loss or gradient stops the run (:class:`NonFiniteError`, naming the step) before anything
       of that step is saved;
-    - every checkpoint carries ``qwenft.json`` (the base, quantization and LoRA settings), so
-      ``adapter=.../checkpoint-N`` runs on the right base like the final adapter;
+    - the loss runs under autocast without a logits tensor (:meth:`compute_loss`);
     - ``tokens_seen`` counts the non-padding tokens trained on, and logs carry ``tokens_per_s`` and, for
       eval, ``eval_perplexity = exp(eval_loss)``.
     """
@@ -148,9 +142,8 @@ class QwenftTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.remove_callback(PrinterCallback)
         self.tokens_seen = 0
-        self._staging: Optional[str] = None
         self._last_log = (time.perf_counter(), 0)
-        self.qwenft_config = None  # set by make_trainer: written into every checkpoint as qwenft.json
+        self.checkpoint_dir = self.args.output_dir  # where complete checkpoints are (make_trainer: <run>/checkpoints)
         self.kernels = "none"  # resolved train.kernels (qwenft.kernels), set by make_trainer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -188,58 +181,14 @@ class QwenftTrainer(Trainer):
         step = self.state.global_step + 1
         if not torch.isfinite(loss).all():
             raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step}; training stopped, the last good "
-                                 f"checkpoint under {self.args.output_dir} is kept (try a lower train.lr or bf16)")
+                                 f"checkpoint under {self.checkpoint_dir} is kept (try a lower train.lr or bf16)")
         grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
         if grads and not torch.isfinite(torch.stack([g.detach().float().norm() for g in grads])).all():
             raise NonFiniteError(f"non-finite gradient norm at step {step}; training stopped, the last good "
-                                 f"checkpoint under {self.args.output_dir} is kept")
+                                 f"checkpoint under {self.checkpoint_dir} is kept")
         mask = inputs.get("attention_mask")
         self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         return loss
-
-    # Checkpoints: Trainer writes into _get_output_dir(); point that at a staging folder while saving.
-    def _get_output_dir(self, trial):
-        if self._staging is not None:
-            return self._staging
-        return super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        from qwenft import dist
-
-        root = super()._get_output_dir(trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        main = self.args.process_index == 0
-        if self.args.world_size > 1:
-            # All ranks write into one staging folder (their RNG states; with FSDP / DeepSpeed their shards), which
-            # rank 0 renames once every rank is done.
-            self._staging = os.path.join(root, f".tmp-{name}")
-            if main:
-                shutil.rmtree(self._staging, ignore_errors=True)
-                os.makedirs(self._staging)
-            dist.barrier()
-        else:
-            os.makedirs(root, exist_ok=True)
-            self._staging = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-        try:
-            super()._save_checkpoint(model, trial)
-            dist.barrier()
-            if main:
-                if self.qwenft_config is not None:  # a checkpoint names its base like the final adapter does
-                    from qwenft.model import save_adapter_meta
-
-                    save_adapter_meta(os.path.join(self._staging, name), self.qwenft_config)
-                publish_tree(os.path.join(self._staging, name))  # safetensors writes its files 0600
-                final = os.path.join(root, name)
-                if os.path.exists(final):  # the same step saved again (e.g. after a resume)
-                    shutil.rmtree(final)
-                os.replace(os.path.join(self._staging, name), final)
-        finally:
-            if main:
-                shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
-        if self.args.should_save:
-            rotate_checkpoints(output_dir=root, save_total_limit=self.args.save_total_limit, use_mtime=False)
-        dist.barrier()  # no rank goes on before checkpoint-N exists
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         now = time.perf_counter()

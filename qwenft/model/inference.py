@@ -1,0 +1,63 @@
+"""The one way eval, generate, inspect and merge get an adapter's base ready: check the adapter directory before
+anything loads, resolve the base it was trained on (:func:`qwenft.model.adapter.inference_config`), then load
+base + adapter for inference."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Tuple
+
+from qwenft.config import Config
+from qwenft.model.adapter import check_adapter_dir, inference_config, read_adapter_meta
+from qwenft.model.load import dequantize_for_inference, load_model
+from qwenft.model.lora import load_adapter
+
+log = logging.getLogger(__name__)
+
+
+def prepare_inference(config: Config) -> Config:
+    """``config`` for running an adapter: the directory checked (a typo fails before any load) and the model,
+    quantization and system prompt the adapter was trained with, except what the user typed. Without
+    ``adapter``, ``config`` as it is.
+
+    Raises:
+        QwenftError: no adapter_config.json in ``config.adapter``; an unreadable ``qwenft.json``.
+    """
+    if not config.adapter:
+        return config
+    check_adapter_dir(config.adapter)
+    config = inference_config(config)
+    meta = read_adapter_meta(config.adapter)
+    trained_on = (meta or {}).get("model", {}).get("name")
+    if trained_on and trained_on != config.model.name:
+        log.warning("adapter %s was trained on %s; running it on %s", config.adapter, trained_on, config.model.name)
+    elif trained_on:
+        log.info("adapter trained on %s", trained_on)
+    return config
+
+
+def load_for_inference(config: Config, device: Optional[str] = None, tokenizer=None,
+                       dequantize: bool = True) -> Tuple[Any, Any]:
+    """Base (``config.model`` / ``config.quant``, as :func:`prepare_inference` resolved them) plus the adapter
+    when ``config.adapter`` is set, in eval mode.
+
+    Args:
+        device: where to load (default: :func:`qwenft.runtime.default_device`).
+        tokenizer: one already loaded from the same source (e.g. to read the data before the weights).
+        dequantize: replace a 4-bit base by its dequantized copy where ``quant.dequantize_for_inference`` says so
+            (:func:`qwenft.model.load.dequantize_for_inference`; default auto: on a CPU); ``inspect`` traces the
+            4-bit computation itself and passes False.
+
+    Returns:
+        ``(model, tokenizer)``: a ``PeftModel`` when an adapter was loaded.
+
+    Raises:
+        QwenftError: see :func:`qwenft.model.load.load_model` and :func:`qwenft.model.lora.load_adapter`.
+    """
+    model, tokenizer = load_model(config, device=device, tokenizer=tokenizer)
+    if config.adapter:
+        model = load_adapter(model, config.adapter)
+    model.eval()
+    if dequantize:
+        dequantize_for_inference(model, config.quant, str(next(model.parameters()).device.type))
+    return model, tokenizer
