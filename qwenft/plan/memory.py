@@ -83,14 +83,14 @@ class TrainSetup:
         nf4 = config.quant.method == "nf4"
         model_dtype = resolve(config.model.dtype)
         compute = resolve(config.quant.compute_dtype) if nf4 else model_dtype
-        from qwenft.kernels import liger_installed
+        from qwenft.kernels import resolve_kernels
         from qwenft.runtime import resolve_optim, resolve_precision
 
         precision = resolve_precision(config.train.precision, compute, native_bf16())
         optim = resolve_optim(config.train.optim, config.dist.strategy, device == "cuda")
-        kernels = config.train.kernels
-        if kernels == "auto":  # qwenft.kernels.resolve_kernels, for a device this machine may not have
-            kernels = "liger" if device == "cuda" and liger_installed() else "none"
+        kernels = config.train.kernels  # an explicit choice is planned as given, whatever this machine has
+        if kernels == "auto":
+            kernels = resolve_kernels("auto", device == "cuda")
         return cls(device=device, nf4=nf4, double_quant=config.quant.double_quant,
                    model_bytes=DTYPE_BYTES[model_dtype], compute_bytes=DTYPE_BYTES[compute],
                    amp=precision in ("bf16", "fp16"), attn=config.model.attn_implementation, lora=config.lora,
