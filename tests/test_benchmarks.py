@@ -35,7 +35,8 @@ def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
                                  "seq": 64, "batch": 1, "gradient_checkpointing": True}
     assert settings["lora"]["r"] == 16 and len(settings["lora"]["target_modules"]) == 7
     assert _positive(result["copy_bandwidth_bytes_per_s"]) and _positive(result["seconds_total"])
-    assert [b["phase"] for b in result["build"]] == ["decode", "train_plain", "train_qwenft"]
+    assert [b["phase"] for b in result["build"]] == ["decode_nf4", "decode_dense", "decode_tuned_ref", "decode_folded",
+                                                     "train_plain", "train_qwenft"]
     assert all(_positive(b["seconds"]) and _positive(b["tensor_bytes"]) for b in result["build"])
     assert result["liger_skipped"] == "no CUDA device"  # the liger arm needs CUDA and Triton
 
@@ -62,13 +63,24 @@ def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
 
     decode = result["decode"]
     assert [row["batch"] for row in decode] == [1, 16]
+    arms = ["nf4_dynamic", "nf4_compiled", "bf16_compiled", "tuned_folded_compiled", "hf_generate"]
     for row in decode:
-        assert row["same_tokens"] is True, row  # greedy: qwenft's sampler and model.generate choose the same tokens
-        assert row["generated_per_row"] == [8] * row["batch"]
-        for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio", "floor_s_per_step", "ceiling_tokens_per_s",
-                    "weight_bytes_per_step", "kv_cache_bytes", "ours_peak_memory_bytes", "hf_peak_memory_bytes"):
-            assert _positive(row[key]), (key, row)
+        assert list(row["arms"]) == arms and row["generated_per_row"] == [8] * row["batch"]
+        assert (row["long_tokens"], row["short_tokens"]) == (8, 2)
+        for name, arm in row["arms"].items():
+            # greedy on the same weights: every arm chooses its reference's tokens (the 16-bit arms read the NF4
+            # values dequantized; the folded arm is compared with adapter-on-base)
+            assert arm["same_tokens"] is True and arm["first_difference"] is None, (name, arm)
+            assert len(arm["rounds"]) == 3 and all(_positive(r) for r in arm["rounds"]), name
+            for key in ("tokens_per_s", "ceiling_tokens_per_s", "fraction_of_ceiling", "bytes_per_step",
+                        "ratio_to_hf_generate"):
+                assert _positive(arm[key]), (name, key, arm)
+        # the 16-bit arms read more weight bytes per step than the NF4 ones (2 bytes per weight vs ~0.53)
+        assert row["arms"]["bf16_compiled"]["bytes_per_step"] > row["arms"]["nf4_dynamic"]["bytes_per_step"]
         assert row["kv_cache_bytes"] == row["planned_kv_cache_bytes"]  # the planner's formula, byte for byte
+    evaluation = result["eval"]
+    assert evaluation["prompts"] == 12 and "LoRA folded" in evaluation["path"]
+    assert set(evaluation["seconds"]) == {"base_first_pass", "base", "tuned"}
 
     plan = result["plan"]
     for key in ("weights_loaded_bytes", "train_peak_bytes", "kv_cache_bytes_per_token"):

@@ -21,6 +21,7 @@ import torch
 from qwenft.config import ConfigError, GenerateConfig, QwenftError
 from qwenft.generation import sampling
 from qwenft.generation.command import read_prompts
+from qwenft.generation.generate import bucket_length
 from qwenft.generation.kv_cache import left_pad, position_ids
 from qwenft.generation.params import SamplingParams, resolve_params
 from qwenft.generation.text import REPLACEMENT, RowText, ends_with_any
@@ -305,7 +306,7 @@ def test_defaults_come_from_generation_config_and_presets_win(tiny, tmp_path):
 def test_compile_needs_cuda(tiny):
     model, tokenizer = tiny  # on the CPU
     with pytest.raises(QwenftError, match="generate.compile=true .* needs the model on a CUDA device"):
-        Sampler(model, tokenizer, GenerateConfig(compile=True))
+        Sampler(model, tokenizer, GenerateConfig(compile=True))  # a bool is read as "true"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="generate.compile runs on a CUDA device only")
@@ -334,9 +335,11 @@ def test_static_cache_equals_dynamic_and_transformers_static(tiny, batch):
     static = Sampler(model, tokenizer, GenerateConfig(static_cache=True)).generate(prompts, max_new_tokens=20,
                                                                                     do_sample=False)
     assert [s.token_ids for s in static.sequences] == [s.token_ids for s in dynamic.sequences]
-    # The static cache holds prompt width + max_new_tokens positions from the start: K and V, every layer.
+    # The static cache holds prompt width + max_new_tokens positions rounded up to a bucket (a power of two, at
+    # least 64) from the start: K and V, every layer.
     cfg = model.config
-    positions = max(len(p) for p in prompts) + 20
+    positions = bucket_length(max(len(p) for p in prompts) + 20)
+    assert positions == 64
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     assert static.stats.kv_cache_bytes == (2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * positions
                                            * head_dim * model.dtype.itemsize)
@@ -499,14 +502,14 @@ def test_generate_command_streams_and_refuses_compile(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out.endswith("\n") and "tokens/s" in captured.err
     assert ("peak GPU memory" if cuda else "peak RSS") in captured.err
-    config.generate.compile = True
+    config.generate.compile = "true"
     if cuda:
         generate_command(config)
         assert "tokens/s" in capsys.readouterr().err
     else:
         with pytest.raises(QwenftError, match="generate.compile=true"):
             generate_command(config)
-    config.generate.compile, config.prompt = False, None
+    config.generate.compile, config.prompt = "false", None
     with pytest.raises(QwenftError, match="exactly one of"):
         generate_command(config)
 

@@ -1,5 +1,5 @@
-"""Memory and bandwidth measures, the training rows and the alternated decode of the one-GPU check (qlora_7b.py;
-the training arms are in train_arms.py)."""
+"""Memory and bandwidth measures and the training rows of the one-GPU check (qlora_7b.py; the training arms are
+in train_arms.py, the decode arms in decode.py)."""
 
 from __future__ import annotations
 
@@ -79,67 +79,3 @@ def random_rows(vocab: int, n: int, seq: int, seed: int) -> List[Dict[str, List[
 
     ids = torch.randint(3, vocab, (n, seq), generator=torch.Generator().manual_seed(seed)).tolist()
     return [{"input_ids": row, "labels": list(row)} for row in ids]
-
-
-def decode_phase(model, tokenizer, args, memory, bandwidth: float) -> List[dict]:
-    """Greedy decode of ``args.new_tokens`` tokens per row at each of ``args.decode_batches``, qwenft's sampler and
-    ``model.generate`` alternating (``args.repeats`` timed calls each, after a 2-token warm-up)."""
-    import torch
-
-    from benchmarks.sampler import DecodeClock, weight_bytes_per_step
-    from qwenft.config import GenerateConfig
-    from qwenft.generation import Sampler
-
-    device = next(model.parameters()).device
-    sampler = Sampler(model, tokenizer, GenerateConfig())  # every setting from the model's generation_config
-    weights = weight_bytes_per_step(model)
-    floor = weights / bandwidth
-    clock = DecodeClock(model)
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    vocab = model.config.vocab_size
-    n = args.new_tokens
-    rows = []
-    for batch in args.decode_batches:
-        prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=generator)
-        ids = prompts.to(device)
-        mask = torch.ones_like(ids)
-        lists = prompts.tolist()
-
-        def ours(k):
-            return sampler.generate(lists, max_new_tokens=k, min_new_tokens=k, do_sample=False)
-
-        def hf(k):
-            with torch.inference_mode():
-                return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
-                                      do_sample=False)
-
-        ours(2), hf(2)  # warm-up
-        speeds, peaks, tokens = {"ours": [], "hf": []}, {"ours": 0, "hf": 0}, {}
-        kv_bytes = 0
-        for _ in range(args.repeats):
-            for arm, fn in (("ours", ours), ("hf", hf)):
-                memory.reset()
-                out, speed, _, _ = clock.measure(lambda: fn(n), batch)
-                peaks[arm] = max(peaks[arm], memory.peak())
-                speeds[arm].append(speed)
-                if arm == "ours":
-                    tokens[arm] = [s.token_ids for s in out.sequences]
-                    kv_bytes = out.stats.kv_cache_bytes
-                else:
-                    tokens[arm] = out[:, ids.shape[1]:].tolist()
-        row = {"batch": batch, "new_tokens": n, "prompt_len": args.prompt_len,
-               "same_tokens": tokens["ours"] == tokens["hf"],
-               "generated_per_row": [len(t) for t in tokens["ours"]], "weight_bytes_per_step": weights,
-               "floor_s_per_step": floor, "ceiling_tokens_per_s": batch / floor, "kv_cache_bytes": kv_bytes}
-        for arm in ("ours", "hf"):
-            row[f"{arm}_tokens_per_s_runs"] = speeds[arm]
-            row[f"{arm}_tokens_per_s"] = statistics.median(speeds[arm])
-            row[f"{arm}_fraction_of_ceiling"] = row[f"{arm}_tokens_per_s"] / row["ceiling_tokens_per_s"]
-            row[f"{arm}_peak_memory_bytes"] = peaks[arm]
-        row["ratio"] = row["ours_tokens_per_s"] / row["hf_tokens_per_s"]
-        rows.append(row)
-        print(f"  decode batch {batch}: ours {row['ours_tokens_per_s']:.1f} tok/s, HF {row['hf_tokens_per_s']:.1f} "
-              f"tok/s, ratio {row['ratio']:.3f}, same tokens {row['same_tokens']}", flush=True)
-    for handle in clock.handles:
-        handle.remove()
-    return rows

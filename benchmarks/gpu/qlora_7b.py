@@ -5,13 +5,13 @@ No download and no model files: the model has the exact Qwen2.5-7B-Instruct conf
 projections. Phases, each after a fresh build with the same seed (so every phase sees the same weights and its
 memory peak is its own; ``torch.cuda.max_memory_allocated`` is reset before each):
 
-1. decode: ``greedy``, exactly N new tokens (``min_new_tokens = max_new_tokens``) from random token-id prompts,
-   at batch 1 and 16, qwenft's :class:`qwenft.generation.Sampler` and transformers' ``model.generate`` alternating;
-   decode tokens/s timed by forward hooks (``benchmarks.sampler.DecodeClock``: the prefill excluded, every
-   per-step cost outside the model included); both must choose the same tokens. The bandwidth floor of a decode
-   step is ``weight bytes read per step / measured device copy bandwidth`` (STREAM copy convention, read +
-   write); ``ceiling = batch / floor`` tokens/s. (At batch > 1 bitsandbytes dequantizes each weight to bf16
-   before the matmul, which moves more bytes than the packed weights: the floor is a lower bound.)
+1. decode (:mod:`benchmarks.gpu.decode`): greedy, exactly N new tokens from random token-id prompts at batch 1
+   and 16; arms NF4 dynamic, NF4 compiled, 16-bit compiled, tuned (LoRA folded) 16-bit compiled and
+   transformers' generate, warmed up, then alternated over rounds; decode tokens/s from the difference of a long
+   and a short call; tokens compared with each arm's reference (first differing position and logit margin);
+   each arm's fraction of the bandwidth ceiling for the bytes it reads per step (weights + KV cache) at the
+   measured device copy bandwidth (STREAM copy convention, read + write). Then an evaluation's generation
+   (``--eval-prompts`` prompts, base then tuned folded, as ``qwenft eval`` runs it), timed after compiling.
 2. train, three arms on the same random token rows, each on its own copy of the model, alternated in blocks of
    optimizer steps (:mod:`benchmarks.gpu.train_arms`: ``plain qwenft liger plain qwenft liger ...``, the first
    block of each arm untimed): ``plain``, what a user writes by hand (``peft.prepare_model_for_kbit_training`` +
@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import environment, print_table, save_json  # noqa: E402
 from benchmarks.gpu.build import (PLAN_FIELDS, QWEN25_7B, TINY, build_nf4_model, tensor_bytes,  # noqa: E402
                                   tiny_overrides)
-from benchmarks.gpu.phases import Memory, copy_bandwidth, decode_phase, random_rows  # noqa: E402
+from benchmarks.gpu.decode import build_models, decode_arms, eval_timing  # noqa: E402
+from benchmarks.gpu.phases import Memory, copy_bandwidth, random_rows  # noqa: E402
 from benchmarks.gpu.train_arms import plain_builder, qwenft_builder, round_ratios, run_arms  # noqa: E402
 from qwenft.kernels import liger_installed  # noqa: E402
 
@@ -76,7 +77,10 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens per row (default 128; tiny 8)")
     parser.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per row (default 32; tiny 16)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed decode calls per arm (default 2; tiny 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of short + long calls per arm (>= 3)")
+    parser.add_argument("--eval-prompts", type=int, default=None, help="prompts of the eval timing (default 256; "
+                        "tiny 12)")
+    parser.add_argument("--decode-only", action="store_true", help="skip the training arms")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 for --tiny on a CPU, where bitsandbytes' many tiny kernels "
@@ -91,7 +95,7 @@ def parse_args(argv=None):
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 128)
     args.prompt_len = args.prompt_len or (16 if args.tiny else 32)
-    args.repeats = args.repeats or (1 if args.tiny else 2)
+    args.eval_prompts = args.eval_prompts or (12 if args.tiny else 256)
     args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
     if args.threads is None and args.tiny and args.device == "cpu":
         args.threads = 1
@@ -177,10 +181,19 @@ def main(argv=None) -> None:
         liger = cuda and liger_installed()
         plan = planner(config, args, shape)
         plans = {"qwenft": plan, **({"qwenft_liger": planner(config, args, shape, "liger")} if liger else {})}
-        model = build("decode")
-        results["decode"] = decode_phase(model, tokenizer, args, memory, bandwidth)
-        del model
+        names = iter(["decode_nf4", "decode_dense", "decode_tuned_ref", "decode_folded"])
+        models = build_models(lambda: build(next(names)), tokenizer, config.lora, args.seed)
+        results["decode"] = decode_arms(models, tokenizer, args, bandwidth, memory)
+        results["eval"] = eval_timing(models, tokenizer, config, args, args.device)
+        print(f"  eval: {results['eval']['prompts']} prompts x {args.new_tokens} tokens, base + tuned: "
+              f"{results['eval']['seconds_after_compiling']:.1f} s after compiling ({results['eval']['path']})",
+              flush=True)
+        del models
         _free(cuda)
+        if args.decode_only:
+            results["memory_measure"] = memory.measure
+            report_decode(args, results, bandwidth)
+            return
         rows = random_rows(shape["vocab_size"], args.steps * args.batch, args.seq, args.seed)
         builders = {"plain": plain_builder(lambda: build("train_plain"), tokenizer, config, rows, Path(tmp), cuda),
                     "qwenft": qwenft_builder(lambda: build("train_qwenft"), tokenizer, config, rows, Path(tmp), "none")}
@@ -247,15 +260,7 @@ def report(args, config, shape, plans, results, bandwidth, seconds) -> None:
                   f"{t['final_loss']:.4f} ({t['final_loss_rel_diff_to_plain']:.1e})"] for arm, t in train.items()])
     print(f"qwenft / plain seconds per step: {ratio:.3f}; final losses within 1e-2 of plain's: {losses_match}"
           + (f"; {results['liger_skipped']}: no liger arm" if "liger_skipped" in results else ""))
-    print_table(f"greedy decode, {args.new_tokens} new tokens after {args.prompt_len} prompt tokens (decode tok/s, "
-                f"median of {args.repeats})",
-                ["batch", "ours tok/s", "HF tok/s", "ratio", "ceiling tok/s", "ours frac", "peak ours | HF",
-                 "KV cache (plan)", "same tokens"],
-                [[r["batch"], f"{r['ours_tokens_per_s']:.1f}", f"{r['hf_tokens_per_s']:.1f}", f"{r['ratio']:.3f}",
-                  f"{r['ceiling_tokens_per_s']:.0f}", f"{r['ours_fraction_of_ceiling']:.1%}",
-                  f"{_size(r['ours_peak_memory_bytes'])} | {_size(r['hf_peak_memory_bytes'])}",
-                  f"{_size(r['kv_cache_bytes'])} ({_size(r['planned_kv_cache_bytes'])})", r["same_tokens"]]
-                 for r in decode])
+    print_decode(args, results)
     print(f"\nweights: {_size(build['tensor_bytes'])} built, planner {_size(plan['weights_loaded_bytes'])}; training "
           f"peak: planner {_size(plan['train_peak_bytes'])} vs measured {_size(measured_train)}"
           f"{'' if cuda else ' (process RSS: not comparable)'}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
@@ -272,16 +277,55 @@ def report(args, config, shape, plans, results, bandwidth, seconds) -> None:
                                "timed_steps_per_arm": timed, "batch": args.batch, "seq": args.seq,
                                "gradient_checkpointing": True, "optimizer": plan["optimizer"],
                                "autocast_bf16": plan["autocast"], "lr": config.train.lr},
-                     "decode": {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                                "batches": args.decode_batches, "repeats": args.repeats,
-                                "decoding": "greedy, min_new_tokens=max_new_tokens, repetition_penalty 1.05"},
+                     "decode": _decode_settings(args),
                      "memory_measure": results["memory_measure"], "seed": args.seed,
                      "threads": torch.get_num_threads()},
         "copy_bandwidth_bytes_per_s": bandwidth, "build": results["build"], "train": train,
         "ratio_train_qwenft_over_plain": ratio, "losses_match_plain": losses_match,
-        "liger_skipped": results.get("liger_skipped"), "decode": decode, "plan": plan, "plans": plans,
+        "liger_skipped": results.get("liger_skipped"), "decode": decode, "eval": results["eval"], "plan": plan,
+        "plans": plans,
         "seconds_total": seconds,
     })
+
+
+def _decode_settings(args) -> dict:
+    return {"new_tokens": args.new_tokens, "short_tokens": max(1, args.new_tokens // 4), "prompt_len": args.prompt_len,
+            "batches": args.decode_batches, "repeats": args.repeats, "eval_prompts": args.eval_prompts,
+            "decoding": "greedy, min_new_tokens=max_new_tokens, repetition_penalty 1.05"}
+
+
+def print_decode(args, results) -> None:
+    """The decode table: per batch and arm, tokens/s (median of rounds [min-max]), x transformers' generate, the
+    bandwidth fraction, warm-up seconds, tokens vs the arm's reference; then the eval timing."""
+    for row in results["decode"]:
+        print_table(f"greedy decode at batch {row['batch']}: {args.prompt_len} prompt tokens, tokens/s from "
+                    f"{row['long_tokens']} - {row['short_tokens']} new tokens, median of {args.repeats} rounds",
+                    ["arm", "tokens/s [min-max]", "x HF generate", "ceiling tok/s", "fraction", "warm-up s",
+                     "peak memory", "vs reference"],
+                    [[name, f"{a['tokens_per_s']:.1f} [{min(a['rounds']):.1f}-{max(a['rounds']):.1f}]",
+                      f"{a['ratio_to_hf_generate']:.2f}", f"{a['ceiling_tokens_per_s']:.0f}",
+                      f"{a['fraction_of_ceiling']:.1%}", f"{a['warmup_s']:.1f}", _size(a["peak_memory_bytes"]),
+                      "same" if a["same_tokens"] else "row {row}, position {position}: margin {margin:.3g}".format(
+                          **a["first_difference"])]
+                     for name, a in row["arms"].items()])
+    e = results["eval"]
+    print(f"eval generation: {e['prompts']} prompts x {e['new_tokens']} tokens at batch {e['batch_size']}, base + "
+          f"tuned {e['seconds_after_compiling']:.1f} s after compiling (first base pass {e['seconds']['base_first_pass']:.1f}"
+          f" s); {e['path']}")
+
+
+def report_decode(args, results, bandwidth) -> None:
+    """``--decode-only``: the decode table and ``gpu_decode_7b.json`` (``gpu_decode_tiny.json`` in tiny mode)."""
+    import torch
+
+    print_decode(args, results)
+    name = "gpu_decode_tiny" if args.tiny else "gpu_decode_7b"
+    save_json(name, {"benchmark": name, "mode": "tiny" if args.tiny else "full",
+                     "environment": _environment(args.device),
+                     "settings": {"device": args.device, "decode": _decode_settings(args), "seed": args.seed,
+                                  "threads": torch.get_num_threads()},
+                     "copy_bandwidth_bytes_per_s": bandwidth, "build": results["build"], "decode": results["decode"],
+                     "eval": results["eval"], "memory_measure": results["memory_measure"]})
 
 
 def _environment(device: str) -> dict:

@@ -134,8 +134,9 @@ class QuantConfig:
     compute_dtype: str = "auto"
     # Inference only (eval, generate): replace every 4-bit layer by its dequantized compute-dtype copy once,
     # instead of bitsandbytes dequantizing it again on every forward. auto = on a CPU (where that per-forward
-    # dequantization dominates decode time); the values are the NF4 values, only the memory grows.
-    # null = auto, true / false to force.
+    # dequantization dominates decode time), and on CUDA when the 16-bit weights fit in free GPU memory beside
+    # the KV cache (qwenft.generation.engine.choose_path, from the planner's byte formulas); the values are the
+    # NF4 values, only the memory grows. null = auto, true / false to force.
     dequantize_for_inference: Optional[bool] = None
     # A model directory written by `qwenft merge` is loaded in 16-bit for eval / generate / inspect even with
     # quant=nf4 (NF4 would round away most of the merged LoRA delta) unless this is true. Training keeps nf4.

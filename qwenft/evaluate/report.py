@@ -198,7 +198,8 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "metrics.json"
     metrics = json.loads(path.read_text()) if path.is_file() else {}
-    metrics["eval"] = {"sources": report["sources"], "perplexity": report["perplexity"]}
+    metrics["eval"] = {"sources": report["sources"], "perplexity": report["perplexity"],
+                       **({"engine": report["engine"]} if "engine" in report else {})}
     atomic_write_text(path, json.dumps(metrics, indent=2, ensure_ascii=False))
     lines = [json.dumps(row, ensure_ascii=False) for rows in report["rows"].values() for row in rows]
     atomic_write_text(out_dir / "generations.jsonl", "".join(line + "\n" for line in lines))

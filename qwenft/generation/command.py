@@ -159,19 +159,27 @@ def generate_command(config: Config) -> None:
     if config.prompt is not None and not config.prompt.strip():
         raise QwenftError("prompt: empty prompt")
 
-    from qwenft.generation.generate import Sampler
+    from qwenft.generation.engine import prepare_for_decoding
+    from qwenft.generation.generate import Sampler, encode_prompts
     from qwenft.model.inference import load_for_inference, prepare_inference
     from qwenft.runtime import default_device
 
     config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     device = default_device()
-    model, tokenizer = load_for_inference(config, device=device)
-    sampler = Sampler(model, tokenizer, config.generate)
+    model, tokenizer = load_for_inference(config, device=device, dequantize=False)  # the engine decides
     system_prompt = config.data.system_prompt
-    if rows is None:
-        _stream_one(sampler, _chat_input({"prompt": config.prompt}, config.chat, system_prompt), device)
-    else:
-        _run_file(sampler, rows, config, system_prompt, device)
+    inputs = [_chat_input(row, config.chat, system_prompt) for row in ([{"prompt": config.prompt}] if rows is None
+                                                                        else [row for _, row in rows])]
+    encoded = encode_prompts(tokenizer, inputs)
+    prompt_len = max(len(ids) for ids in encoded)
+    engine = prepare_for_decoding(model, config, cache_len=prompt_len + config.generate.max_new_tokens,
+                                  prompt_len=prompt_len)
+    with engine.side("tuned" if config.adapter else "base") as ready:
+        sampler = Sampler(ready, tokenizer, engine.settings(config.generate))
+        if rows is None:
+            _stream_one(sampler, encoded[0], device)
+        else:
+            _run_file(sampler, rows, encoded, config, device)
 
 
 def _stream_one(sampler, prompt, device: str) -> None:
@@ -187,36 +195,19 @@ def _stream_one(sampler, prompt, device: str) -> None:
           file=sys.stderr)
 
 
-def _run_file(sampler, numbered: List[Tuple[int, Dict[str, Any]]], config: Config, system_prompt: Optional[str],
+def _run_file(sampler, numbered: List[Tuple[int, Dict[str, Any]]], encoded: List[List[int]], config: Config,
               device: str) -> None:
-    from qwenft.generation.generate import encode_prompts
-    from tqdm import tqdm
+    from qwenft.generation.batches import generate_many
 
     target = output_path(config)
-    rows = [row for _, row in numbered]
-    inputs = [_chat_input(row, config.chat, system_prompt) for row in rows]
-    encoded = encode_prompts(sampler.tokenizer, inputs)
-    # Batches of similar length waste less compute on padding; the order is deterministic (stable sort).
-    order = sorted(range(len(rows)), key=lambda i: len(encoded[i]))
-    size = config.generate.batch_size
-    results: List[Optional[Dict[str, Any]]] = [None] * len(rows)
-    totals = {"prompt": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0}
-    with tqdm(total=len(rows), desc="generate", unit="prompt", file=sys.stderr) as bar:
-        for first in range(0, len(order), size):
-            chunk = order[first:first + size]
-            output = sampler.generate([encoded[i] for i in chunk])
-            for i, seq in zip(chunk, output.sequences):
-                results[i] = {**rows[i], "input_line": numbered[i][0], "output": seq.text, "stop_reason": seq.stop_reason,
-                              "prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.token_ids),
-                              "token_ids": seq.token_ids, "logprobs": [round(v, 5) for v in seq.logprobs],
-                              "entropies": [round(v, 5) for v in seq.entropies]}
-            stats = output.stats
-            totals["prompt"] += stats.prompt_tokens
-            totals["prefill_s"] += stats.prefill_s
-            totals["decode"] += stats.decode_tokens
-            totals["decode_s"] += stats.decode_s
-            bar.update(len(chunk))
+    # Batches of similar length waste less compute on padding; results come back in input order.
+    sequences, totals = generate_many(sampler, encoded, config.generate.batch_size, desc="generate",
+                                      progress_file=sys.stderr)
+    results = [{**row, "input_line": number, "output": seq.text, "stop_reason": seq.stop_reason,
+                "prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.token_ids),
+                "token_ids": seq.token_ids, "logprobs": [round(v, 5) for v in seq.logprobs],
+                "entropies": [round(v, 5) for v in seq.entropies]} for (number, row), seq in zip(numbered, sequences)]
     write_jsonl(target, results)
     print(f"wrote {len(results)} generations to {target}", file=sys.stderr)
-    print(_summary(totals["prompt"], totals["prefill_s"], totals["decode"], totals["decode_s"], device),
+    print(_summary(totals.prompt_tokens, totals.prefill_s, totals.decode_tokens, totals.decode_s, device),
           file=sys.stderr)

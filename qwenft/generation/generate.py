@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -36,6 +35,7 @@ from qwenft.config import GenerateConfig, QwenftError
 from qwenft.generation.kv_cache import (cache_bytes, left_pad, new_cache, new_static_cache, position_ids,
                                         token_history)
 from qwenft.generation.params import SamplingParams, resolve_params
+from qwenft.generation.results import GenerationOutput, GenerationStats, SequenceResult
 from qwenft.generation.sampling import process_scores, select_tokens
 from qwenft.generation.text import RowText, ends_with_any
 
@@ -44,64 +44,6 @@ log = logging.getLogger(__name__)
 Messages = Sequence[Mapping[str, str]]
 Prompt = Union[str, Messages, Sequence[int]]
 TextCallback = Callable[[int, str], None]
-
-
-@dataclass
-class SequenceResult:
-    """One generated sequence.
-
-    Attributes:
-        text: the generated text; without the stop token, cut before a matched stop string.
-        token_ids: every generated token, the final stop token included (so ``len(token_ids) == len(logprobs)``).
-        stop_reason: ``eos`` (a stop token), ``stop_string`` (a stop string or stop sequence) or ``length``.
-        logprobs: per step, log-probability (nats) of the chosen token under the distribution it was
-            chosen from (the softmax of the processed scores).
-        entropies: per step, entropy (nats) of that distribution.
-        prompt_tokens: tokens of the prompt (padding excluded).
-    """
-
-    text: str
-    token_ids: List[int]
-    stop_reason: str
-    logprobs: List[float]
-    entropies: List[float]
-    prompt_tokens: int
-
-
-@dataclass
-class GenerationStats:
-    """Speed and memory of one call. ``prefill_s`` is the prompt forward; ``decode_s`` everything after it.
-
-    ``decode_tokens`` counts tokens chosen from decode-step logits (each row's first token comes from the
-    prefill logits and is not counted).
-    """
-
-    batch_size: int
-    prompt_tokens: int
-    generated_tokens: int
-    decode_tokens: int
-    prefill_s: float
-    decode_s: float
-    kv_cache_bytes: int
-    steps: int
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass
-class GenerationOutput:
-    """Result of one call: ``sequences`` in prompt order, ``stats`` and, when asked for, ``logits``
-    (per step ``[batch, vocab]`` fp32 raw next-token logits, before any processor)."""
-
-    sequences: List[SequenceResult]
-    stats: GenerationStats
-    logits: Optional[List[torch.Tensor]] = field(default=None, repr=False)
 
 
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat: bool = False) -> List[List[int]]:
@@ -143,7 +85,7 @@ def check_supported(config: GenerateConfig, model=None) -> None:
         QwenftError: ``generate.compile=true`` without the model on a CUDA device (torch.compile with CUDA
             graphs is a GPU path; ``generate.static_cache=true`` gives the fixed-shape cache on any device).
     """
-    if config.compile:
+    if config.compile == "true":
         on_cuda = _device(model).type == "cuda" if model is not None else torch.cuda.is_available()
         if not on_cuda:
             raise QwenftError("generate.compile=true (static cache + torch.compile) needs the model on a CUDA device; "
@@ -156,6 +98,22 @@ def _accepts(model, name: str) -> bool:
         return name in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def compile_decode(config: GenerateConfig, model) -> bool:
+    """Whether decode steps are compiled: ``generate.compile`` true, or auto on a CUDA device with no 4-bit layer
+    (a 16-bit base: :mod:`qwenft.generation.engine` dequantizes one when it fits)."""
+    if config.compile != "auto":
+        return config.compile == "true"
+    from qwenft.model.load import has_4bit_layers
+
+    return _device(model).type == "cuda" and not has_4bit_layers(model)
+
+
+def bucket_length(tokens: int) -> int:
+    """The static cache length for ``tokens`` positions: the next power of two, at least 64 (so that calls with
+    different prompt lengths share a few compiled shapes)."""
+    return max(64, 1 << (max(tokens, 1) - 1).bit_length())
 
 
 def _device(model) -> torch.device:
@@ -178,6 +136,14 @@ class Sampler:
         tokenizer: its tokenizer (decoding, chat template, pad id).
         config: the ``generate`` config section; its None fields come from ``model.generation_config``.
 
+        compile_backend: a ``torch.compile`` backend for the decode step (tests pass a counting one to check the
+            number of compiles on a CPU); None: inductor with CUDA graphs (``mode="reduce-overhead"``) when
+            :func:`compile_decode` says so.
+
+    Compiled or with ``static_cache``, the cache is a ``StaticCache`` of a fixed length and the attention mask a
+    fixed ``[rows, length]`` tensor, so every decode step has the same shapes; ``generate(cache_len=, rows=)``
+    pins both (:func:`qwenft.generation.batches.generate_many` pads an evaluation to at most 3 such shapes).
+
     Raises:
         QwenftError: ``config.compile`` is true and the model is not on a CUDA device.
 
@@ -186,17 +152,20 @@ class Sampler:
     >>> out.sequences[0].text, out.stats.decode_tokens_per_s
     """
 
-    def __init__(self, model, tokenizer, config: Optional[GenerateConfig] = None):
+    def __init__(self, model, tokenizer, config: Optional[GenerateConfig] = None, compile_backend=None):
         config = config or GenerateConfig()
-        check_supported(config, model)
+        if compile_backend is None:
+            check_supported(config, model)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self._logits_to_keep = _accepts(model, "logits_to_keep")
         self._decode_forward = model
-        if config.compile:  # decode steps only: the prefill's shapes change with every batch of prompts
-            compiled = getattr(model, "get_compiled_call", None)  # transformers' own (PEFT forwards to the base)
-            self._decode_forward = compiled(None) if compiled is not None else torch.compile(model)
+        self.compiled = compile_backend is not None or compile_decode(config, model)
+        self.static = self.compiled or config.static_cache
+        if self.compiled:  # decode steps only: the prefill's shapes change with every batch of prompts
+            options = {"backend": compile_backend} if compile_backend is not None else {"mode": "reduce-overhead"}
+            self._decode_forward = torch.compile(model, dynamic=False, fullgraph=False, **options)
 
     @property
     def generation_config(self):
@@ -214,7 +183,8 @@ class Sampler:
         return params.stop_token_ids[0] if params.stop_token_ids else 0
 
     def generate(self, prompts: Sequence[Prompt], *, chat: bool = False, on_text: Optional[TextCallback] = None,
-                 keep_logits: bool = False, **overrides: Any) -> GenerationOutput:
+                 keep_logits: bool = False, cache_len: Optional[int] = None, rows: Optional[int] = None,
+                 **overrides: Any) -> GenerationOutput:
         """Generate a continuation for every prompt, as one batch.
 
         Args:
@@ -223,16 +193,21 @@ class Sampler:
             on_text: called as ``on_text(row, delta)`` whenever a row's text grows; deltas never split a
                 UTF-8 character and a row's deltas concatenate to its final ``text``.
             keep_logits: also return the raw logits of every step (tests, inspection).
+            cache_len: static cache length (tokens) on the static / compiled path; default
+                :func:`bucket_length` of the prompt width + max_new_tokens.
+            rows: pad the batch to this many rows (copies of the first prompt, finished from the start and
+                dropped from the results) so that batches of an evaluation share one shape.
             **overrides: :class:`qwenft.config.GenerateConfig` fields for this call only.
 
         Returns:
             A :class:`GenerationOutput` with one :class:`SequenceResult` per prompt, in order.
 
         Raises:
-            QwenftError: a bad prompt; ConfigError: a bad override.
+            QwenftError: a bad prompt; ConfigError: a bad override; ValueError: ``cache_len`` shorter than the prompt
+                width + max_new_tokens, or ``rows`` fewer than the prompts.
         """
         run = self._run(encode_prompts(self.tokenizer, prompts, chat), self.params(**overrides),
-                        stream=on_text is not None, keep_logits=keep_logits)
+                        stream=on_text is not None, keep_logits=keep_logits, cache_len=cache_len, rows=rows)
         while True:
             try:
                 row, delta = next(run)
@@ -247,21 +222,34 @@ class Sampler:
         return TextStream(run)
 
     @torch.inference_mode()
-    def _run(self, prompts: List[List[int]], params: SamplingParams, stream: bool, keep_logits: bool):
+    def _run(self, prompts: List[List[int]], params: SamplingParams, stream: bool, keep_logits: bool,
+             cache_len: Optional[int] = None, rows: Optional[int] = None):
         """The prefill + decode loop; yields ``(row, delta)`` text events and returns the :class:`GenerationOutput`."""
         model, device = self.model, _device(self.model)
         if getattr(model, "training", False):
             log.warning("the model is in training mode (dropout active); call model.eval() before sampling")
+        real = len(prompts)
+        if rows is not None and rows < real:
+            raise ValueError(f"rows={rows} is fewer than the {real} prompts of the batch")
+        prompts = list(prompts) + [prompts[0]] * ((rows or real) - real)  # padding rows, dropped at the end
         batch = len(prompts)
         pad_id = self._pad_id(params)
         input_ids, mask = left_pad(prompts, pad_id, device)
         positions = position_ids(mask)
-        # As model.generate does: with no padding the mask is dropped, so attention takes its causal fast path.
-        attn = None if bool((mask == 1).all()) else mask
-        if self.config.static_cache or self.config.compile:
-            cache = new_static_cache(model, input_ids.shape[1] + params.max_new_tokens)
+        width = input_ids.shape[1]
+        if self.static:
+            # One [rows, length] mask for the whole call: positions past the prompt are 1 (a position not yet
+            # written is hidden by the causal mask over cache positions), so no decode step changes a shape.
+            length = cache_len or bucket_length(width + params.max_new_tokens)
+            if length < width + params.max_new_tokens:
+                raise ValueError(f"cache_len={length} < prompt width {width} + max_new_tokens {params.max_new_tokens}")
+            cache = new_static_cache(model, length)
+            attn = mask.new_ones((batch, length))
+            attn[:, :width] = mask
         else:
             cache = new_cache(model)
+            # As model.generate does: with no padding the mask is dropped, so attention takes its causal fast path.
+            attn = None if bool((mask == 1).all()) else mask
         extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
         generator = None
         if params.seed is not None and not params.greedy:
@@ -286,15 +274,15 @@ class Sampler:
         tokens: List[List[int]] = [[] for _ in range(batch)]
         logprobs: List[List[float]] = [[] for _ in range(batch)]
         entropies: List[List[float]] = [[] for _ in range(batch)]
-        reasons: List[Optional[str]] = [None] * batch
+        reasons: List[Optional[str]] = [None] * real + ["padding"] * (batch - real)
         kept: Optional[List[torch.Tensor]] = [] if keep_logits else None
-        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        unfinished = torch.tensor([r is None for r in reasons], dtype=torch.bool, device=device)
         steps = 0
         for step in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
             del out
             if kept is not None:
-                kept.append(logits.clone())
+                kept.append(logits[:real].clone())
             scores = process_scores(logits, params, None if history is None else history[:, :seen], stop_index, step)
             chosen, chosen_logp, entropy = select_tokens(scores, params.greedy, generator)
             # Finished rows emit the pad token (transformers does the same; it keeps the batch rectangular).
@@ -331,7 +319,7 @@ class Sampler:
             unfinished = torch.tensor([r is None for r in reasons], dtype=torch.bool, device=device)
             # Decode step: only the new token per row; positions continue from each row's last one.
             positions = positions[:, -1:] + 1
-            if attn is not None:
+            if attn is not None and not self.static:
                 attn = torch.cat([attn, attn.new_ones((batch, 1))], dim=-1)
             out = self._decode_forward(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions,
                                        cache=cache, use_cache=True, **extra)
@@ -339,7 +327,7 @@ class Sampler:
         decode_s = time.perf_counter() - start
 
         results = []
-        for row in range(batch):
+        for row in range(real):
             body = tokens[row][:-1] if reasons[row] == "eos" else tokens[row]
             if texts is not None:
                 text, delta = texts[row].finish()
@@ -351,8 +339,8 @@ class Sampler:
                                           logprobs=logprobs[row], entropies=entropies[row],
                                           prompt_tokens=len(prompts[row])))
         generated = sum(len(t) for t in tokens)
-        stats = GenerationStats(batch_size=batch, prompt_tokens=sum(len(p) for p in prompts),
-                                generated_tokens=generated, decode_tokens=max(generated - batch, 0),
+        stats = GenerationStats(batch_size=real, prompt_tokens=sum(len(p) for p in prompts[:real]),
+                                generated_tokens=generated, decode_tokens=max(generated - real, 0),
                                 prefill_s=prefill_s, decode_s=decode_s, kv_cache_bytes=cache_bytes(cache), steps=steps)
         return GenerationOutput(sequences=results, stats=stats, logits=kept)
 

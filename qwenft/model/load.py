@@ -178,7 +178,8 @@ def load_model(cfg: Config, device: Optional[str] = None, tokenizer=None) -> Tup
     return model, tokenizer
 
 
-def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = None) -> int:
+def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = None, enabled: Optional[bool] = None,
+                              dtype: Any = None) -> int:
     """Replace every bitsandbytes ``Linear4bit`` of ``model`` by a plain ``nn.Linear`` holding its dequantized weight.
 
     For inference only (evaluation, generation; the model must not be trained afterwards). bitsandbytes
@@ -191,11 +192,14 @@ def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = N
     Args:
         qcfg: ``quant.dequantize_for_inference``: None = only when ``device`` is a CPU, True / False force.
         device: where the model runs (default: :func:`default_device`).
+        enabled: the decision already taken by the caller (``qwenft.generation.engine.choose_path``, which also
+            weighs free GPU memory); None: ``qcfg`` as above.
+        dtype: of the new weights (default: the embeddings' dtype, the one the rest of the model computes in).
 
     Returns:
         The number of layers replaced (0 when nothing was 4-bit or the setting said no).
     """
-    flag = qcfg.dequantize_for_inference
+    flag = qcfg.dequantize_for_inference if enabled is None else enabled
     if flag is None:
         flag = (device or default_device()) == "cpu"
     if not flag or qcfg.method == "none":
@@ -206,8 +210,9 @@ def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = N
 
     # The dtype the rest of the model computes in: the compute dtype, or the 4-bit storage dtype when the base
     # was loaded for sharding (dist.quant_storage=bfloat16 loads every other weight in it too).
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    dtype = embeddings.weight.dtype if embeddings is not None else torch_dtype(qcfg.compute_dtype, device)
+    if dtype is None:
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        dtype = embeddings.weight.dtype if embeddings is not None else torch_dtype(qcfg.compute_dtype, device)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear4bit)]
     for name, module in targets:
         weight = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
@@ -236,3 +241,13 @@ def count_parameters(model) -> Tuple[int, int]:
         if param.requires_grad:
             trainable += n
     return trainable, total
+
+
+def has_4bit_layers(model) -> bool:
+    """Whether ``model`` still holds a bitsandbytes ``Linear4bit`` (peft's LoRA wrapper of one, also named
+    ``Linear4bit``, does not count: its base layer does)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return False
+    return any(isinstance(module, Linear4bit) for module in model.modules())
