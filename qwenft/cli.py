@@ -1,6 +1,7 @@
 """Command dispatch: ``python -m qwenft COMMAND [hydra overrides]``.
 
-Every command composes the same Hydra config (``conf/config.yaml``, ``+recipe=NAME``, overrides),
+Every command but ``recipes`` (which lists and copies recipe files, :mod:`qwenft.recipes`) composes the same Hydra
+config (``conf/config.yaml``, ``+recipe=NAME`` or ``+recipe=./my.yaml``, overrides),
 validates it against :mod:`qwenft.config` *before* anything heavy is imported or loaded, and only
 then hands over to Hydra (run directory, ``.hydra/`` snapshot, log file, ``-m`` multirun).
 A user error (bad key, wrong type, impossible value, missing file) ends with exit code 2 and one
@@ -18,9 +19,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from qwenft.config import COMMANDS, QwenftError, to_config
 from qwenft.files import file_in_the_way
-from qwenft.hydra_app import (CONF_DIR, RUN_DIR_COMMANDS, _log_to_files, _parse_hydra_args, available_recipes,
-                               discard_untouched_run_dir, fail, free_form, hydra_snapshot, restore_hydra_snapshot,
-                               validate, register_resolvers)
+from qwenft.hydra_app import (RUN_DIR_COMMANDS, _log_to_files, _parse_hydra_args, discard_untouched_run_dir, fail,
+                               free_form, hydra_snapshot, recipe_overrides, restore_hydra_snapshot, validate,
+                               register_resolvers)
+from qwenft.resources import available_recipes, conf_dir
 from qwenft.runlock import RunLock, lock_run_dirs, new_run_stamp
 
 log = logging.getLogger("qwenft")
@@ -36,6 +38,9 @@ COMMAND_TABLE: Dict[str, Tuple[str, str]] = {
     "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)",
                 "qwenft.trace:inspect_command"),
     "plan": ("memory and parameter plan from the config, before any download", "qwenft.plan:plan_command"),
+    # no Hydra config: `qwenft recipes [cp NAME DEST [--force]]`, run with its own arguments
+    "recipes": ("list the built-in recipes; `recipes cp NAME DIR` copies one to edit",
+                "qwenft.recipes:recipes_command"),
 }
 
 USAGE = """usage: python -m qwenft COMMAND [overrides]
@@ -47,12 +52,12 @@ commands:
 
 overrides are Hydra's: key=value, +recipe=NAME, -m for a multirun grid, --cfg job to print the
 resolved config. Example: python -m qwenft train +recipe=quickstart lora.r=8
-recipes: {recipes}
+recipes: {recipes} (+recipe=NAME; a file of your own: +recipe=./my.yaml)
 """
 
 
 def usage() -> str:
-    table = "\n".join(f"  {name:<9} {COMMAND_TABLE[name][0]}" for name in COMMANDS)
+    table = "\n".join(f"  {name:<9} {help_line}" for name, (help_line, _) in COMMAND_TABLE.items())
     return USAGE.format(table=table, recipes=", ".join(available_recipes()) or "(none)")
 
 
@@ -76,7 +81,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
     if command not in RUN_DIR_COMMANDS:
         extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stderr"]
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def task(cfg: DictConfig):
         run_dir = None
         try:
@@ -118,14 +123,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(0 if args else 2)
     command, rest = args[0], args[1:]
     if command not in COMMAND_TABLE:
-        fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)}")
+        fail(f"unknown command '{command}'; commands: {', '.join(COMMAND_TABLE)}")
+    if command not in COMMANDS:  # `recipes`: no Hydra config
+        try:
+            _resolve(command)(rest)
+        except QwenftError as exc:
+            fail(str(exc))
+        return
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     register_resolvers()
     new_run_stamp()  # this command's default run directory name (validate() and Hydra both compose it)
     parsed = _parse_hydra_args(rest)
+    try:  # Hydra's spelling of free text and lists; a recipe file registered for Hydra (+recipe=./my.yaml)
+        overrides = recipe_overrides(free_form(parsed.overrides))
+    except QwenftError as exc:
+        fail(str(exc))
     locks: List[RunLock] = []
     try:
-        _checked_run(command, rest, parsed, locks)
+        _checked_run(command, rest, parsed, overrides, locks)
     except QwenftError as exc:  # a run directory in use (the other user errors are handled where they arise)
         fail(str(exc))
     finally:  # held until the command ends, however it ends
@@ -133,13 +148,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             lock.release()
 
 
-def _checked_run(command: str, rest: Sequence[str], parsed, locks: List[RunLock]) -> None:  # checks, lock, Hydra
+def _checked_run(command: str, rest: Sequence[str], parsed, overrides: List[str],
+                 locks: List[RunLock]) -> None:  # checks, lock, Hydra
     launch, existing = [], []  # Hydra overrides under a launcher; run directories that existed before
     if not (parsed.help or parsed.cfg or parsed.info):
         from qwenft.train.dist import launch_overrides, preflight
 
         try:
-            configs = validate(command, free_form(parsed.overrides), multirun=parsed.multirun)
+            configs = validate(command, overrides, multirun=parsed.multirun)
             preflight(configs[0], command)  # a missing package or GPU stops here, before Hydra writes anything
         except QwenftError as exc:
             fail(str(exc))
@@ -170,4 +186,4 @@ def _checked_run(command: str, rest: Sequence[str], parsed, locks: List[RunLock]
             except QwenftError as exc:
                 fail(str(exc))
     flags = [a for a in rest if a not in parsed.overrides]
-    _run_hydra(command, [*free_form(parsed.overrides), *launch], flags, existing)
+    _run_hydra(command, [*overrides, *launch], flags, existing)

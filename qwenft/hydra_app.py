@@ -10,25 +10,16 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from qwenft.config import Config, ConfigError, omegaconf_message, project_root, to_config
+from qwenft.config import Config, ConfigError, omegaconf_message, to_config
 from qwenft.files import atomic_write_bytes
+from qwenft.resources import available_recipes, conf_dir, project_root
 from qwenft.runlock import LOCK_FILES
 
 log = logging.getLogger("qwenft")
 
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
-RECIPE_DIR = ROOT / "recipes"
-
-
 # Commands that write a run directory (out_dir); the others print and write only what they are told to.
 RUN_DIR_COMMANDS = ("train", "eval")
-
-
-def available_recipes() -> List[str]:
-    """Names accepted by ``+recipe=NAME``: the YAML files directly under ``recipes/``."""
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
 def fail(message: str, code: int = 2) -> "None":
@@ -56,9 +47,80 @@ def _recipe_problem(overrides: Sequence[str]) -> Optional[str]:
         key, _, value = item.partition("=")
         if key == "recipe":
             return f"{item}: a recipe is added with a leading +: +recipe={value}"
-        if key.lstrip("+~") == "recipe" and value and value not in available_recipes():
-            return f"unknown recipe '{value}' (+recipe={value}); available recipes: {', '.join(available_recipes())}"
+        if key.lstrip("+~") == "recipe" and value and value not in available_recipes() and value not in _FILE_RECIPES:
+            return (f"unknown recipe '{value}' (+recipe={value}); available recipes: {', '.join(available_recipes())}"
+                    "; or a recipe file: +recipe=./FILE.yaml")
     return None
+
+
+_FILE_RECIPES: Dict[str, Path] = {}  # a recipe file's option name in Hydra's ConfigStore -> the file
+_FILE_GROUP = "file"  # ./my.yaml is composed as +recipe=file/my: a name no built-in recipe (recipes/*.yaml) has
+_NOTED: set = set()  # built-in recipes whose same-named file in the current directory was pointed out
+
+
+def recipe_overrides(overrides: Sequence[str]) -> List[str]:
+    """Rewrite ``+recipe=`` so that a recipe file outside the package composes like a built-in one.
+
+    ``+recipe=NAME`` is the built-in ``recipes/NAME.yaml`` or, when there is none, ``NAME.yaml`` in the current
+    directory; ``+recipe=PATH`` (a value ending in ``.yaml`` / ``.yml`` or holding a ``/``, relative to the current
+    directory or absolute) is that file. A file is registered in Hydra's ConfigStore as the ``recipe`` option
+    ``file/<stem>`` (package ``_global_`` unless its ``# @package`` header says otherwise) and the override
+    rewritten to it; anything else (a built-in, an unknown name, a sweep ``a,b``) is returned as it was.
+    Idempotent.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or not a mapping; one line naming it.
+    """
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        path = _recipe_file(value) if key.startswith("+") and key.lstrip("+") == "recipe" else None
+        out.append(f"{key}={_register_recipe_file(path, value)}" if path is not None else item)
+    return out
+
+
+def _recipe_file(value: str) -> Optional[Path]:
+    """The file ``+recipe=value`` names, or None for a built-in recipe, an unknown name or a sweep."""
+    if not value or "," in value or value in _FILE_RECIPES:
+        return None
+    if value in available_recipes():
+        if Path(f"{value}.yaml").is_file() and value not in _NOTED:  # a copy from `qwenft recipes cp`?
+            _NOTED.add(value)
+            log.warning(f"+recipe={value} is the built-in recipe; ./{value}.yaml here is not used "
+                        f"(+recipe=./{value}.yaml uses it)")
+        return None
+    if value.endswith((".yaml", ".yml")) or "/" in value or "\\" in value:
+        return Path(value).expanduser()
+    return next((p for p in (Path(f"{value}.yaml"), Path(f"{value}.yml")) if p.is_file()), None)
+
+
+def _register_recipe_file(path: Path, value: str) -> str:
+    """Load the recipe file ``path`` into Hydra's ConfigStore; returns its option name in the ``recipe`` group."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import DictConfig, OmegaConf
+
+    if not path.is_file():
+        raise ConfigError(f"recipe file {value} not found (+recipe={value}, resolved to {path.resolve()}); "
+                          f"built-in recipes: {', '.join(available_recipes())}")
+    try:
+        text = path.read_text(encoding="utf-8")
+        node = OmegaConf.create(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe file {path}: cannot be read ({exc})") from None
+    except Exception as exc:  # PyYAML's MarkedYAMLError says where; OmegaConf's own errors are one line
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        raise ConfigError(f"recipe file {path}{where}: not valid YAML ({problem})") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"recipe file {path}: expected a mapping of config keys, as recipes/*.yaml hold")
+    leading = re.match(r"(\s*#[^\n]*\n)*", text).group(0)  # Hydra reads the header in the leading comments only
+    header = re.search(r"^\s*#\s*@package\s+(\S+)", leading, re.MULTILINE)
+    option = re.sub(r"[^A-Za-z0-9_-]", "_", path.stem)  # a plain name for Hydra's override grammar
+    ConfigStore.instance().store(group=f"recipe/{_FILE_GROUP}", name=option, node=node,
+                                 package=header.group(1) if header else "_global_")
+    _FILE_RECIPES[f"{_FILE_GROUP}/{option}"] = path.resolve()
+    return f"{_FILE_GROUP}/{option}"
 
 
 def _compose_message(exc: BaseException) -> str:
@@ -190,6 +252,7 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
     from hydra.core.override_parser.overrides_parser import OverridesParser  # Hydra's plugin API
     from hydra.core.override_parser.types import ValueType
 
+    overrides = recipe_overrides(overrides)
     problem = _recipe_problem(overrides)
     if problem:
         raise ConfigError(problem)
@@ -216,7 +279,7 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
             raise ConfigError(sweep_message(override))
     configs = []
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         for point in grid:
             try:
                 cfg = compose(config_name="config", overrides=[*point, f"command={command}"])
@@ -239,7 +302,7 @@ def register_resolvers() -> None:
     from qwenft.runlock import run_stamp  # here, not at the top: runlock imports this module
 
     ConfigStore.instance().store(name="qwenft_schema", node=Config)
-    OmegaConf.register_new_resolver("qwenft_root", project_root, replace=True)
+    OmegaConf.register_new_resolver("qwenft_root", lambda: str(project_root()), replace=True)
     OmegaConf.register_new_resolver("qwenft_run_id", run_stamp, replace=True)
 
 

@@ -16,7 +16,7 @@ may import it.
 
 from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, QwenftError
 from qwenft.config.data import FORMAT_FIELDS, DataConfig, DataSource
-from qwenft.config.load import escape_interpolations, omegaconf_message, project_root, to_config, unknown_key_message
+from qwenft.config.load import escape_interpolations, omegaconf_message, to_config, unknown_key_message
 from qwenft.config.model import ROPE_TYPES, LoraConfig, ModelConfig, QuantConfig, RopeScalingConfig, TinyModelConfig
 from qwenft.config.run import (DIST_STRATEGIES, QUANT_STORAGE, Config, DistConfig, EvalConfig, GenerateConfig,
                                InspectConfig, MergeConfig, PlanConfig, TrainConfig, WandbConfig)
@@ -25,4 +25,4 @@ __all__ = ["ALL_TARGETS", "COMMANDS", "Config", "ConfigError", "DIST_STRATEGIES"
            "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GenerateConfig", "InspectConfig", "LoraConfig",
            "MergeConfig", "ModelConfig", "PlanConfig", "QUANT_STORAGE", "QuantConfig", "QwenftError", "ROPE_TYPES",
            "RopeScalingConfig", "TinyModelConfig", "TrainConfig", "WandbConfig", "escape_interpolations",
-           "omegaconf_message", "project_root", "to_config", "unknown_key_message"]
+           "omegaconf_message", "to_config", "unknown_key_message"]

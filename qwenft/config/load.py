@@ -11,13 +11,6 @@ from qwenft.config.base import ConfigError
 from qwenft.config.run import Config
 
 
-def project_root() -> str:
-    """The checkout qwenft runs from (holds conf/, recipes/, data/)."""
-    from pathlib import Path
-
-    return str(Path(__file__).resolve().parents[2])  # <root>/qwenft/config/load.py
-
-
 def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:
     """Keys of ``node`` that ``schema_type`` does not define, as dotted paths.
 

@@ -82,12 +82,22 @@ class GenerateConfig:
     stop_sequences: List[List[int]] = field(default_factory=list)
     seed: Optional[int] = None
     batch_size: int = 8
-    # static_cache: a transformers StaticCache sized prompt + max_new_tokens (fixed shapes; works anywhere).
-    # compile: static cache + torch.compile of the decode step (CUDA only; the first call compiles).
+    # The decoding engine (eval uses these too; its sampling settings come from the eval.generate preset).
+    # static_cache: a transformers StaticCache of a bucketed length (fixed shapes; works anywhere).
+    # compile: static cache + torch.compile of the decode step with CUDA graphs; auto = on CUDA when the base runs
+    # in 16-bit (dequantized NF4 or quant=none), true = on CUDA always, false = never. Batch and cache length are
+    # padded to a few sizes, so an evaluation compiles at most 3 times (qwenft.generation.batches).
+    # fold_lora: fold the LoRA delta into the 16-bit base weights in memory for the tuned side (peft's merge
+    # arithmetic, nothing written; qwenft.model.fold); auto = on CUDA when the base runs in 16-bit.
     static_cache: bool = False
-    compile: bool = False
+    compile: str = "auto"
+    fold_lora: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in ("compile", "fold_lora"):  # `generate.compile=true` arrives as a bool, or as "True" via a str node
+            value = getattr(self, name)
+            setattr(self, name, str(value).lower() if isinstance(value, (bool, str)) else value)
+            _check_choice(f"generate.{name}", getattr(self, name), ("auto", "true", "false"))
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens", self.min_new_tokens,
                "must be in [0, generate.max_new_tokens]")
@@ -117,7 +127,9 @@ class EvalConfig:
     ppl_window: int = 1024
     ppl_stride: int = 512
     ppl_max_tokens: int = 4096
-    batch_size: int = 8
+    # Prompts per generation batch (and windows per perplexity batch): a number, or auto = sized from the KV-cache
+    # and logits bytes for the free GPU memory on CUDA (qwenft.generation.engine.auto_batch_sizes), 8 on a CPU.
+    batch_size: Any = "auto"
     max_eval_prompts: int = 50
     metrics: List[str] = field(default_factory=lambda: ["exact_match_number", "char_f1", "rouge_l"])
     generate: str = "precise"
@@ -133,7 +145,11 @@ class EvalConfig:
         _check(self.ppl_window >= 2, "eval.ppl_window", self.ppl_window, "must be >= 2 tokens")
         _check(1 <= self.ppl_stride <= self.ppl_window, "eval.ppl_stride", self.ppl_stride,
                "must be in [1, eval.ppl_window]")
-        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        if isinstance(self.batch_size, str) and self.batch_size.isdigit():
+            self.batch_size = int(self.batch_size)
+        _check(self.batch_size == "auto" or (isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool)
+                                             and self.batch_size >= 1),
+               "eval.batch_size", self.batch_size, "must be auto or an integer >= 1")
         _check(self.max_eval_prompts >= 0, "eval.max_eval_prompts", self.max_eval_prompts, "must be >= 0")
         _check(self.samples_in_report >= 0, "eval.samples_in_report", self.samples_in_report, "must be >= 0")
 
@@ -145,6 +161,9 @@ class MergeConfig:
     ``dtype``: of the merged weights. ``base``: for an adapter trained on an NF4 base, ``dequantized`` merges
     into the NF4-dequantized weights (what training saw), ``original`` into the original 16-bit weights.
     ``overwrite``: replace a non-empty ``out``. ``gguf``: also write a llama.cpp GGUF (``f16`` or ``q8_0``).
+    ``verify_gguf``: load that GGUF in llama.cpp and compare it with the merged model
+    (:mod:`qwenft.export.llama_check`); null = when llama-cpp-python (the ``qwenft[gguf-check]`` extra) is
+    installed, true = required (refused here when it is not installed).
     """
 
     dtype: str = "bfloat16"
@@ -152,11 +171,20 @@ class MergeConfig:
     overwrite: bool = False
     base: str = "dequantized"
     gguf: str = "none"
+    verify_gguf: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _check_choice("merge.dtype", self.dtype, ("bfloat16", "float16", "float32"))
         _check_choice("merge.base", self.base, ("dequantized", "original"))
         _check_choice("merge.gguf", self.gguf, ("none", "f16", "q8_0"))
+        if self.verify_gguf:
+            import importlib.util
+
+            _check(self.gguf != "none", "merge.verify_gguf", self.verify_gguf,
+                   "it checks the GGUF file: also pass merge.gguf=f16 or merge.gguf=q8_0")
+            _check(importlib.util.find_spec("llama_cpp") is not None, "merge.verify_gguf", self.verify_gguf,
+                   "llama-cpp-python is not installed: pip install 'qwenft[gguf-check]' (builds llama.cpp, "
+                   "minutes), or pass merge.verify_gguf=null")
         import re
 
         _check(re.fullmatch(r"[0-9]+(KB|MB|GB|KiB|MiB|GiB)", self.max_shard_size) is not None, "merge.max_shard_size",

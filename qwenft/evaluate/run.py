@@ -1,14 +1,14 @@
 """Base vs tuned evaluation: generation metrics per source and perplexity, in one process.
 
-The same loaded base serves both sides: the adapter is disabled (``PeftModel.disable_adapter()``) for
-"base" and enabled for "tuned", so nothing is loaded twice. The held-out rows come tokenized in the data
+The same loaded base serves both sides, so nothing is loaded twice (:class:`qwenft.generation.engine.Engine`):
+the adapter is disabled for "base" and enabled for "tuned", or, on the fast path (CUDA, 16-bit weights), the base
+side runs on the plain model and the tuned side after its LoRA delta is folded into the weights. The held-out rows come tokenized in the data
 bundle (``DataBundle.eval_rows``): their prompts (``prompt_ids``, token for token the prefix the trainer
 supervised after, :func:`qwenft.data.prompt_ids`) and their ``input_ids`` / ``labels`` are used as they are.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -19,14 +19,16 @@ from omegaconf import OmegaConf
 from qwenft.config import Config, ConfigError, GenerateConfig
 from qwenft.evaluate.metrics import distinct_n, score
 from qwenft.evaluate.perplexity import perplexity_of_ids, perplexity_of_labels
+from qwenft.resources import conf_dir
 
 log = logging.getLogger(__name__)
 
-GENERATE_PRESETS = Path(__file__).resolve().parents[2] / "conf" / "generate"
+GENERATE_PRESETS = conf_dir() / "generate"  # the sampler presets, from a checkout or an installed wheel
 
 
 def generate_preset(config: Config) -> GenerateConfig:
-    """The sampler settings for evaluation: the ``eval.generate`` preset, then ``eval.max_new_tokens``.
+    """The sampler settings for evaluation: the ``eval.generate`` preset, then ``eval.max_new_tokens``; the
+    decoding engine's settings (``static_cache``, ``compile``, ``fold_lora``) from the ``generate`` section.
 
     Raises:
         ConfigError: no preset of that name under conf/generate/.
@@ -39,43 +41,34 @@ def generate_preset(config: Config) -> GenerateConfig:
     preset = OmegaConf.to_object(merged)
     if config.eval.max_new_tokens is not None:
         preset = dataclasses.replace(preset, max_new_tokens=config.eval.max_new_tokens)
-    return dataclasses.replace(preset, batch_size=config.eval.batch_size)
+    engine = config.generate
+    return dataclasses.replace(preset, static_cache=engine.static_cache, compile=engine.compile,
+                               fold_lora=engine.fold_lora)
 
 
-@contextlib.contextmanager
-def adapter_state(model, enabled: bool):
-    """Run the block with the LoRA adapter of a PEFT model disabled (``enabled=False``) or as it is."""
-    if enabled or not hasattr(model, "disable_adapter"):
-        yield
-    else:
-        with model.disable_adapter():
-            yield
+def generation_eval(sampler, config: Config, rows: List[dict], batch_size: int, label: str) -> List[dict]:
+    """Generate an answer for every held-out row and score it against the reference.
 
-
-def generation_eval(model, tokenizer, config: Config, rows: List[dict], settings: GenerateConfig,
-                    label: str) -> List[dict]:
-    """Generate an answer for every held-out row (batched) and score it against the reference.
+    Prompts run in batches of similar length (:func:`qwenft.generation.batches.generate_many`); the results come
+    back in the order of ``rows``.
 
     Args:
+        sampler: a :class:`qwenft.generation.Sampler` over the side being evaluated.
         rows: held-out conversations of the bundle (``DataBundle.eval_rows``), each with its ``prompt_ids``.
+        batch_size: prompts per batch.
 
     Returns:
         One dict per row: ``text``, ``stop_reason``, ``tokens`` (answer length) and the metric values.
     """
-    from tqdm.auto import tqdm
+    from qwenft.generation.batches import generate_many
 
-    from qwenft.generation import Sampler
-
-    sampler = Sampler(model, tokenizer, settings)
+    sequences, _ = generate_many(sampler, [row["prompt_ids"] for row in rows], batch_size,
+                                 desc=f"generate ({label})")
     results: List[dict] = []
-    prompts = [row["prompt_ids"] for row in rows]
-    batches = range(0, len(prompts), settings.batch_size)
-    for start in tqdm(batches, desc=f"generate ({label})", unit="batch", leave=False):
-        out = sampler.generate(prompts[start:start + settings.batch_size])
-        for row, seq in zip(rows[start:start + settings.batch_size], out.sequences):
-            reference = row["messages"][-1]["content"]
-            results.append({"text": seq.text, "stop_reason": seq.stop_reason, "tokens": len(seq.token_ids),
-                            **score(seq.text, reference, config.eval.metrics, row.get("meta"))})
+    for row, seq in zip(rows, sequences):
+        reference = row["messages"][-1]["content"]
+        results.append({"text": seq.text, "stop_reason": seq.stop_reason, "tokens": len(seq.token_ids),
+                        **score(seq.text, reference, config.eval.metrics, row.get("meta"))})
     return results
 
 
@@ -99,9 +92,10 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, Optional[flo
     return summary
 
 
-def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str, Any]]:
+def perplexities(model, tokenizer, config: Config, bundle, batch_size: int) -> Dict[str, Dict[str, Any]]:
     """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers (the bundle's
-    ``input_ids`` / ``labels`` of its held-out rows, as trained on: a ``text`` row counts every token)."""
+    ``input_ids`` / ``labels`` of its held-out rows, as trained on: a ``text`` row counts every token), in
+    batches of ``batch_size`` windows / examples."""
     from qwenft.data import resolve_path
     from qwenft.data.read import read_text
 
@@ -111,13 +105,13 @@ def perplexities(model, tokenizer, config: Config, bundle) -> Dict[str, Dict[str
         ids = tokenizer(read_text(source), add_special_tokens=False).input_ids  # the data files' reader: BOM removed
         ids = ids[:config.eval.ppl_max_tokens]
         result = perplexity_of_ids(model, [ids], window=config.eval.ppl_window, stride=config.eval.ppl_stride,
-                                   batch_size=config.eval.batch_size, pad_id=tokenizer.pad_token_id, progress=True)
+                                   batch_size=batch_size, pad_id=tokenizer.pad_token_id, progress=True)
         out[f"text:{path.name}"] = result.as_dict()
     for name, rows in (bundle.eval_rows if bundle is not None else {}).items():
         examples = [(row["input_ids"], row["labels"]) for row in rows if row["input_ids"] is not None]
         if not examples:  # every held-out row of the source was skipped as bad (data.on_bad_row=skip)
             continue
-        result = perplexity_of_labels(model, examples, batch_size=config.eval.batch_size,
+        result = perplexity_of_labels(model, examples, batch_size=batch_size,
                                       pad_id=tokenizer.pad_token_id, progress=True)
         out[f"answers:{name}"] = result.as_dict()
     return out
@@ -141,35 +135,43 @@ def check_ppl_sources(config: Config) -> None:
 
 
 def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict[str, Any]:
-    """Evaluate ``sides`` (``base`` and/or ``tuned``) of ``model`` on the bundle's held-out rows.
+    """Evaluate ``sides`` (``base`` then ``tuned``) of ``model`` on the bundle's held-out rows.
 
-    On a CPU a 4-bit base is first dequantized once (:func:`qwenft.model.dequantize_for_inference`), so
-    ``model`` is for inference only afterwards.
+    The model is first made ready along the decode path chosen for its device and memory
+    (:func:`qwenft.generation.engine.prepare_for_decoding`: a 4-bit base dequantized on a CPU, or on CUDA when the
+    16-bit weights fit, the adapter folded in for the tuned side there), so ``model`` is for inference only
+    afterwards. ``eval.batch_size=auto`` is resolved from the free memory (:func:`qwenft.generation.engine.auto_batch_sizes`).
 
     Returns:
-        ``{"sources": {name: {side: summary}}, "perplexity": {name: {side: {...}}}, "rows": {name: [...]}}``.
+        ``{"sources": {name: {side: summary}}, "perplexity": {name: {side: {...}}}, "rows": {name: [...]},
+        "engine": {...}}``.
     """
-    from qwenft.model import dequantize_for_inference
+    from qwenft.generation import Sampler
+    from qwenft.generation.engine import batch_sizes, prepare_for_decoding
 
     settings = generate_preset(config)
-    model.eval()
-    dequantize_for_inference(model, config.quant, str(next(model.parameters()).device.type))
-    model.config.use_cache = True  # training switched the cache off
     limit = config.eval.max_eval_prompts
     # Generation needs a conversation; held-out rows of `text` sources only count in perplexity.
     eval_rows = {name: [r for r in rows if r["messages"]][:limit]
                  for name, rows in (bundle.eval_rows if bundle is not None else {}).items()}
     eval_rows = {name: rows for name, rows in eval_rows.items() if rows}
-    report: Dict[str, Any] = {"sources": {}, "perplexity": {}, "rows": {}}
+    prompt_len = max((len(r["prompt_ids"]) for rows in eval_rows.values() for r in rows), default=1)
+    cache_len = prompt_len + settings.max_new_tokens
+    engine = prepare_for_decoding(model, config, cache_len=cache_len, prompt_len=prompt_len)
+    rows_per_batch, windows_per_batch = batch_sizes(config, engine.model, cache_len, prompt_len)
+    sampler = Sampler(engine.model, tokenizer, engine.settings(settings))
+    report: Dict[str, Any] = {"sources": {}, "perplexity": {}, "rows": {},
+                              "engine": {"path": engine.path.reason, "batch_size": rows_per_batch,
+                                         "ppl_batch_size": windows_per_batch}}
     for side in sides:
-        with adapter_state(model, enabled=side == "tuned"):
+        with engine.side(side) as side_model:
             for name, rows in eval_rows.items():
-                results = generation_eval(model, tokenizer, config, rows, settings, f"{side}, {name}")
+                results = generation_eval(sampler, config, rows, rows_per_batch, f"{side}, {name}")
                 report["sources"].setdefault(name, {})[side] = summarise(results, config.eval.metrics)
                 report["rows"].setdefault(name, [{} for _ in rows])
                 for slot, result in zip(report["rows"][name], results):
                     slot[side] = result
-            for name, value in perplexities(model, tokenizer, config, bundle).items():
+            for name, value in perplexities(side_model, tokenizer, config, bundle, windows_per_batch).items():
                 report["perplexity"].setdefault(name, {})[side] = value
         log.info("evaluated %s", side)
     for name, by_side in report["sources"].items():
@@ -209,7 +211,7 @@ def eval_command(config: Config) -> None:
     tokenizer = load_tokenizer(resolve_model_dir(config.model),
                                config.model.revision if config.model.source == "hub" else None)
     bundle = data_lib.build(config, tokenizer) if config.data.sources else None
-    model, tokenizer = load_for_inference(config, tokenizer=tokenizer)
+    model, tokenizer = load_for_inference(config, tokenizer=tokenizer, dequantize=False)  # evaluate() decides
     sides = ["base", "tuned"] if config.adapter else ["base"]
     report = evaluate(model, tokenizer, config, bundle, sides)
     write_outputs(config, Path(config.out_dir), report)

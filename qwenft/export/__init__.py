@@ -1,7 +1,7 @@
 """``qwenft merge``: a standalone 16-bit Qwen2.5 model from base + adapter, verified before it is called done.
 
 ``python -m qwenft merge adapter=PATH out=DIR [merge.dtype=bfloat16] [merge.base=dequantized|original]
-[merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0]``
+[merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0] [merge.verify_gguf=null|true|false]``
 
 1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.model.adapter.resolve_base` for when a
    ``model=`` override wins) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
@@ -12,7 +12,10 @@
    only when the saved matrices are one.
 3. The directory is reloaded by plain transformers in a subprocess and compared (:mod:`qwenft.export.verify`);
    above the tolerance the command exits 1 and writes nothing. With ``merge.gguf`` a GGUF is written and
-   loaded back the same way.
+   loaded back the same way, and in llama.cpp itself (``merge.verify_gguf``: :mod:`qwenft.export.llama_check`).
+   The last lines printed (and the model card's "Serve" section) are the commands that serve the result,
+   ``vllm serve DIR`` and ``llama-server -m FILE.gguf``, and the adapter unmerged in vLLM, or the warning saying
+   why vLLM cannot serve it so (:func:`qwenft.export.card.serve_commands`).
 4. Everything is written into ``DIR.tmp-*`` beside ``DIR`` and renamed at the end: an interrupted merge
    (Ctrl-C, SIGTERM, or a kill) never leaves ``DIR``; leftovers of killed runs are removed by the next run.
    A non-empty ``DIR`` is refused unless ``merge.overwrite=true``. A re-run whose ``DIR`` already holds a
@@ -20,8 +23,8 @@
    ``merge.overwrite=true`` redoes it.
 
 A command room (modules: :mod:`~qwenft.export.build`, :mod:`~qwenft.export.verify`, :mod:`~qwenft.export.gguf_file`,
-:mod:`~qwenft.export.card`): it may import :mod:`qwenft.model`, :mod:`qwenft.chat`, :mod:`qwenft.runtime`,
-:mod:`qwenft.runlock`, :mod:`qwenft.files` and :mod:`qwenft.config`.
+:mod:`~qwenft.export.llama_check`, :mod:`~qwenft.export.card`): it may import :mod:`qwenft.model`,
+:mod:`qwenft.chat`, :mod:`qwenft.runtime`, :mod:`qwenft.runlock`, :mod:`qwenft.files` and :mod:`qwenft.config`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from qwenft.model.adapter import check_adapter_dir, resolve_base
 from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
 from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
-from qwenft.export.card import model_card
+from qwenft.export.card import model_card, serve_commands
+from qwenft.export.llama_check import NEW_TOKENS, verify_with_llama, wanted
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
 from qwenft.files import publish_mode, staging_dir
 from qwenft.model import MERGE_MARKER, read_adapter_meta
@@ -98,6 +102,8 @@ def _adapter_digest(adapter_dir: Path) -> str:
 def _request(adapter_dir: Path, model: ModelConfig, quant: QuantConfig, config: Config) -> dict:
     """What identifies a merge: the adapter's bytes, the base, how it was trained and the merge settings."""
     settings = {k: v for k, v in dataclasses.asdict(config.merge).items() if k != "overwrite"}
+    # null resolved to what this run does: installing the extra later makes a re-run check the GGUF
+    settings["verify_gguf"] = wanted(config.merge.gguf, config.merge.verify_gguf)
     request = {"adapter_sha256": _adapter_digest(adapter_dir), "model": dataclasses.asdict(model),
                "quant": dataclasses.asdict(quant), "merge": settings}
     return json.loads(json.dumps(request))  # the form it has when read back from the marker
@@ -195,6 +201,7 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     request = _request(adapter_dir, model_cfg, quant_cfg, config)
     if not config.merge.overwrite and _already_done(out, request):
         print(f"{out} already holds a verified merge of this adapter with these settings: nothing to do")
+        _print_serving(out)
         return out
     if out.is_dir() and any(out.iterdir()) and not config.merge.overwrite:
         raise QwenftError(f"out={config.out}: exists and is not empty; choose another out= or pass "
@@ -217,7 +224,25 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
             if owner is not None:
                 os.close(owner)
     print(f"merged model written to {out}")
+    _print_serving(out)
     return out
+
+
+def _print_serving(out: Path) -> None:
+    """The closing lines: the serve commands recorded in ``qwenft_merge.json`` (:func:`serve_commands`), and the
+    warning when vLLM cannot serve the adapter unmerged."""
+    try:
+        serve = json.loads((out / MARKER).read_text(encoding="utf-8")).get("serve") or {}
+    except (OSError, ValueError):
+        return
+    if serve.get("merged"):
+        print(f"serve it with vLLM: {serve['merged']}")
+    if serve.get("gguf"):
+        print(f"serve the GGUF with llama.cpp: {serve['gguf']}")
+    if serve.get("adapter"):
+        print(f"or serve the adapter unmerged with vLLM: {serve['adapter']}")
+    if serve.get("adapter_problem"):
+        log.warning("%s", serve["adapter_problem"])
 
 
 def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: ModelConfig,
@@ -247,8 +272,9 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     gguf_record = None
     if merge_cfg.gguf != "none":
         gguf_record = write_gguf(tmp, tmp / f"{name}-{merge_cfg.gguf}.gguf", merge_cfg.gguf, tokenizer, name)
+    with_llama = gguf_record is not None and wanted(merge_cfg.gguf, merge_cfg.verify_gguf)
     report = run_reload_check(tmp, reference, merge_cfg.dtype, device, model_cfg.attn_implementation,
-                              gguf_record["file"] if gguf_record else None)
+                              gguf_record["file"] if gguf_record else None, NEW_TOKENS if with_llama else 0)
     log.info("reloaded and compared without qwenft (%.1f s)", time.perf_counter() - start)
     checks = check_report(reference, report, merge_cfg.dtype, tied, merge_cfg.gguf if gguf_record else None)
     merged_check, gguf_check = checks["merge"], checks["gguf"]
@@ -259,19 +285,29 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
         print(f"gguf check ({merge_cfg.gguf}, loaded back through transformers): max |delta logit| = "
               f"{gguf_check.max_delta:.3g} (tolerance {gguf_check.tolerance:g}); "
               f"greedy: {', '.join(gguf_check.greedy)}")
+    llama = verify_with_llama(tmp / gguf_record["file"], reference.prompts, report, tokenizer,
+                              merge_cfg.gguf) if with_llama else None
+    if llama is not None:
+        print(f"gguf check ({merge_cfg.gguf}, llama.cpp): {llama.summary()}")
+        checks["problems"] += llama.problems
     if checks["problems"]:
         raise VerificationError("; ".join(checks["problems"]))
 
     base = describe_base(model_cfg, quant_cfg, merge_cfg, model_dir)
     verification = {"passed": True, "merge": merged_check.as_dict(),
-                    "gguf": gguf_check.as_dict() if gguf_check else None}
+                    "gguf": gguf_check.as_dict() if gguf_check else None,
+                    "llama_cpp": llama.as_dict() if llama else None}
     settings = {k: v for k, v in dataclasses.asdict(merge_cfg).items() if k != "overwrite"}
-    card = model_card(name, base, read_adapter_meta(adapter_dir), settings, verification, adapter_dir.parent,
-                      gguf_record)
+    meta = read_adapter_meta(adapter_dir)
+    out = tmp.parent / name  # where _commit renames tmp to: the paths the serve commands name
+    serve = serve_commands(out, gguf_record, adapter_dir, base["path"],
+                           (meta or {}).get("run_name") or adapter_dir.parent.name)
+    card = model_card(name, base, meta, settings, verification, adapter_dir.parent, gguf_record, out, serve)
     (tmp / "README.md").write_text(card, encoding="utf-8")
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != OWNER}
     for file in files:
         publish_mode(tmp / file)
     record = {"request": request, "adapter": str(adapter_dir), "base": base, "base_from": why,
-              "tie_word_embeddings": tied, "verification": verification, "gguf": gguf_record, "files": files}
+              "tie_word_embeddings": tied, "verification": verification, "gguf": gguf_record, "serve": serve,
+              "files": files}
     (tmp / MARKER).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,12 +1,64 @@
-"""The model card (README.md) of a merged directory: base, recipe, data, LoRA settings, checks, eval table."""
+"""The model card (README.md) of a merged directory: base, recipe, data, LoRA settings, checks, eval table, and the
+commands that serve it (also printed by ``qwenft merge``)."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+from qwenft.model.serving import read_adapter_config, vllm_max_lora_rank, vllm_support, vllm_warning
 
 MAX_METRIC_ROWS = 40
+
+
+def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path: str,
+                   lora_name: str) -> Dict[str, Optional[str]]:
+    """How to serve a merge, with the paths as written: ``merged`` (``vllm serve OUT``), ``gguf`` (``llama-server -m
+    OUT/FILE.gguf``, None without a GGUF), and for the adapter itself either ``adapter`` (``vllm serve BASE
+    --enable-lora --lora-modules NAME=ADAPTER --max-lora-rank N``, N the smallest value vLLM accepts >= r) or
+    ``adapter_problem`` (the line saying why vLLM cannot serve it unmerged: :func:`qwenft.model.serving.vllm_support`).
+
+    Args:
+        out: The merged directory (absolute, where ``qwenft merge`` writes it).
+        gguf: The GGUF file record (``{"file": name, ...}``), or None.
+        adapter_dir: The adapter directory that was merged.
+        base_path: The base the adapter was trained on, as vLLM loads it (a Hub id or a directory).
+        lora_name: The name requests use for the adapter (``"model": NAME``); made shell- and URL-safe here.
+    """
+    quote = shlex.quote
+    commands: Dict[str, Optional[str]] = {
+        "merged": f"vllm serve {quote(str(out))}",
+        "gguf": f"llama-server -m {quote(str(out / gguf['file']))}" if gguf else None,
+        "adapter": None, "adapter_problem": None}
+    config = read_adapter_config(adapter_dir)
+    reasons = vllm_support(config)
+    if reasons:
+        commands["adapter_problem"] = vllm_warning(adapter_dir, reasons, merged_dir=out)
+    elif isinstance(config.get("r"), int):
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", lora_name).strip("-") or "adapter"
+        commands["adapter"] = (f"vllm serve {quote(base_path)} --enable-lora --lora-modules "
+                               f"{quote(f'{name}={adapter_dir}')} --max-lora-rank {vllm_max_lora_rank(config['r'])}")
+    return commands
+
+
+def _serve_section(out: Path, serve: Dict[str, Optional[str]], trained_on: str) -> List[str]:
+    lines = ["", "## Serve", "",
+             f"`python -m qwenft merge` wrote this directory to `{out}`; the commands use that path (after moving or "
+             "uploading it, put the new path or the Hub id in its place):", "", "```bash", serve["merged"]]
+    if serve["gguf"]:
+        lines.append(serve["gguf"])
+    lines.append("```")
+    if serve["adapter"]:
+        lines += ["", "The adapter unmerged, on its base (vLLM's `--max-lora-rank` must be >= the adapter's r and one "
+                  "of the values vLLM accepts" + ("; it was trained on NF4, so on the 16-bit base it is close to this "
+                                                  "merge, not equal" if trained_on.startswith("NF4") else "") + "):",
+                  "", "```bash", serve["adapter"], "```"]
+    elif serve["adapter_problem"]:
+        lines += ["", serve["adapter_problem"]]
+    return lines
 
 
 def eval_table(run_dir: Path) -> Optional[str]:
@@ -47,7 +99,8 @@ def eval_table(run_dir: Path) -> Optional[str]:
 
 
 def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, verification: dict,
-               run_dir: Optional[Path], gguf: Optional[dict]) -> str:
+               run_dir: Optional[Path], gguf: Optional[dict], out: Optional[Path] = None,
+               serve: Optional[Dict[str, Optional[str]]] = None) -> str:
     """README.md text for the merged directory.
 
     Args:
@@ -58,14 +111,18 @@ def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, ver
         verification: ``{"merge": {...}, "gguf": {...} or None}`` as recorded in ``qwenft_merge.json``.
         run_dir: The training run directory (the adapter's parent), for the eval table.
         gguf: The GGUF file record, or None.
+        out: The directory's absolute path as written, and ``serve``: :func:`serve_commands` for it; with both, a
+            "Serve" section.
     """
     lines = [f"# {out_name}", "",
              f"A standalone model: the LoRA adapter merged into **{base['name']}** ({base['source']}: "
              f"`{base['path']}`) by `python -m qwenft merge`. Load it with plain transformers:", "",
              "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
              f'model = AutoModelForCausalLM.from_pretrained("{out_name}", dtype="auto")',
-             f'tokenizer = AutoTokenizer.from_pretrained("{out_name}")', "```", "",
-             "## Base and merge", "",
+             f'tokenizer = AutoTokenizer.from_pretrained("{out_name}")', "```"]
+    if out is not None and serve is not None:
+        lines += _serve_section(out, serve, base.get("trained_on", ""))
+    lines += ["", "## Base and merge", "",
              f"- trained on: {base['trained_on']} base; merged into: {base['merged_into']}",
              f"- merged weights: {merge['dtype']}, safetensors shards of at most {merge['max_shard_size']}",
              "- generation_config stops on every end token (`<|im_end|>` and `<|endoftext|>`)"]
@@ -96,6 +153,11 @@ def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, ver
         g = verification["gguf"]
         lines.append(f"- GGUF loaded back through transformers vs this directory: max |delta logit| = "
                      f"{g['max_abs_logit_delta']:.3g} (tolerance {g['tolerance']:g}); greedy: {', '.join(g['greedy'])}")
+    if verification.get("llama_cpp"):
+        c = verification["llama_cpp"]
+        lines.append(f"- GGUF run by llama.cpp vs this directory: {c['identical']}/{c['compared']} greedy tokens "
+                     f"identical ({c['required']:.0%} required for {c['type']}); the chat template, its tokens and "
+                     "the EOS ids as in the HF tokenizer")
     table = eval_table(run_dir) if run_dir is not None else None
     if table:
         lines += ["", "## Evaluation (from the training run)", "", table]

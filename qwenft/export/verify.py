@@ -224,6 +224,12 @@ report["shares_storage"] = (model.get_output_embeddings().weight.data_ptr()
                             == model.get_input_embeddings().weight.data_ptr())
 report["eos_token_id"] = model.generation_config.eos_token_id
 run(model, "hf")
+if spec["long_new_tokens"]:  # the longer greedy runs the llama.cpp check compares with
+    long_steps, report["hf_long_generated"] = {}, []
+    for i, ids in enumerate(spec["prompts"]):
+        _, tokens, long_steps[str(i)] = greedy(model, ids, spec["long_new_tokens"], spec["eos_token_id"])
+        report["hf_long_generated"].append(tokens)
+    save_file(long_steps, str(out / "hf_long_steps.safetensors"))
 del model
 if spec.get("gguf_file"):
     gtok = AutoTokenizer.from_pretrained(spec["model_dir"], gguf_file=spec["gguf_file"])
@@ -240,8 +246,11 @@ report["qwenft_imported"] = any(m == "qwenft" or m.startswith("qwenft.") for m i
 
 
 def run_reload_check(model_dir: Path, ref: Reference, dtype: str, device: str, attn_implementation: str,
-                     gguf_file: Optional[str] = None) -> dict:
+                     gguf_file: Optional[str] = None, long_new_tokens: int = 0) -> dict:
     """Reload ``model_dir`` (and ``gguf_file`` in it) in a fresh interpreter without qwenft.
+
+    With ``long_new_tokens``, the merged model also generates that many greedy tokens per prompt (for
+    :mod:`qwenft.export.llama_check`): ``hf_long_generated`` and ``hf_long_steps`` (``[steps, vocab]`` logits).
 
     Returns:
         The subprocess report (``prompt_ids``, ``hf_generated``, config facts, ...) with the logits under
@@ -254,7 +263,7 @@ def run_reload_check(model_dir: Path, ref: Reference, dtype: str, device: str, a
 
     spec = {"model_dir": str(model_dir), "dtype": dtype, "device": device, "attn": attn_implementation,
             "texts": ref.texts, "prompts": ref.prompts, "max_new_tokens": MAX_NEW_TOKENS,
-            "eos_token_id": ref.eos_token_id, "gguf_file": gguf_file}
+            "eos_token_id": ref.eos_token_id, "gguf_file": gguf_file, "long_new_tokens": long_new_tokens}
     with tempfile.TemporaryDirectory(prefix="qwenft-verify-") as work:
         work_path = Path(work)
         (work_path / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -269,6 +278,8 @@ def run_reload_check(model_dir: Path, ref: Reference, dtype: str, device: str, a
         for prefix in ("hf", "gguf") if gguf_file else ("hf",):
             report[f"{prefix}_logits"] = load_file(str(work_path / f"{prefix}_logits.safetensors"))
             report[f"{prefix}_steps"] = load_file(str(work_path / f"{prefix}_steps.safetensors"))
+        if long_new_tokens:
+            report["hf_long_steps"] = load_file(str(work_path / "hf_long_steps.safetensors"))
     return report
 
 

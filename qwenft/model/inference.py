@@ -11,6 +11,7 @@ from qwenft.config import Config
 from qwenft.model.adapter import check_adapter_dir, inference_config, read_adapter_meta
 from qwenft.model.load import dequantize_for_inference, load_model
 from qwenft.model.lora import load_adapter
+from qwenft.model.serving import read_adapter_config, vllm_support, vllm_warning
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,8 @@ log = logging.getLogger(__name__)
 def prepare_inference(config: Config) -> Config:
     """``config`` for running an adapter: the directory checked (a typo fails before any load) and the model,
     quantization and system prompt the adapter was trained with, except what the user typed. Without
-    ``adapter``, ``config`` as it is.
+    ``adapter``, ``config`` as it is. For ``eval``, one warning when vLLM cannot serve the adapter unmerged
+    (:func:`qwenft.model.serving.vllm_support`).
 
     Raises:
         QwenftError: no adapter_config.json in ``config.adapter``; an unreadable ``qwenft.json``.
@@ -33,6 +35,9 @@ def prepare_inference(config: Config) -> Config:
         log.warning("adapter %s was trained on %s; running it on %s", config.adapter, trained_on, config.model.name)
     elif trained_on:
         log.info("adapter trained on %s", trained_on)
+    reasons = vllm_support(read_adapter_config(config.adapter)) if config.command == "eval" else []
+    if reasons:  # eval: said before its numbers are taken to a vLLM deployment of the adapter as it is
+        log.warning("%s", vllm_warning(config.adapter, reasons))
     return config
 
 
@@ -46,7 +51,8 @@ def load_for_inference(config: Config, device: Optional[str] = None, tokenizer=N
         tokenizer: one already loaded from the same source (e.g. to read the data before the weights).
         dequantize: replace a 4-bit base by its dequantized copy where ``quant.dequantize_for_inference`` says so
             (:func:`qwenft.model.load.dequantize_for_inference`; default auto: on a CPU); ``inspect`` traces the
-            4-bit computation itself and passes False.
+            4-bit computation itself and passes False, and eval / generate pass False and let
+            ``qwenft.generation.engine.prepare_for_decoding`` decide with the free GPU memory in view.
 
     Returns:
         ``(model, tokenizer)``: a ``PeftModel`` when an adapter was loaded.
