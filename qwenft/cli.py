@@ -117,6 +117,31 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m qwenft``; exits 0 on success, 2 on a user error."""
+    try:
+        _main(argv)
+    except BrokenPipeError:  # `qwenft recipes | head -3`: the reader left; no traceback for that
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush of stdout would raise again
+        raise SystemExit(0)
+
+
+# Commands whose standard output is their result (`generate ... > answer.txt`).
+RESULT_ON_STDOUT = ("generate", "data", "merge", "eval", "inspect")
+
+
+def _quiet_wandb_notice(command: str) -> None:
+    """transformers prints "[INFO] Running in WANDB offline mode" on stdout when its W&B integration is imported
+    with WANDB_MODE=offline; import it now with that line dropped (the user set the mode), so a redirected result
+    stays clean."""
+    if command in RESULT_ON_STDOUT and os.environ.get("WANDB_MODE") == "offline":
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            import transformers.integrations.integration_utils  # noqa: F401
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
@@ -139,6 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except QwenftError as exc:
         fail(str(exc))
     locks: List[RunLock] = []
+    _quiet_wandb_notice(command)
     try:
         _checked_run(command, rest, parsed, overrides, locks)
     except QwenftError as exc:  # a run directory in use (the other user errors are handled where they arise)

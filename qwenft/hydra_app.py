@@ -99,8 +99,12 @@ def _register_recipe_file(path: Path, value: str) -> str:
     from hydra.core.config_store import ConfigStore
     from omegaconf import DictConfig, OmegaConf
 
+    if path.is_dir():
+        raise ConfigError(f"recipe file {value} is a directory (+recipe={value}); name a YAML file in it")
     if not path.is_file():
-        raise ConfigError(f"recipe file {value} not found (+recipe={value}, resolved to {path.resolve()}); "
+        hint = next((f"; did you mean +recipe={value}{ext}?" for ext in (".yaml", ".yml")
+                     if Path(f"{path}{ext}").is_file()), "")
+        raise ConfigError(f"recipe file {value} not found (+recipe={value}, resolved to {path.resolve()}){hint}; "
                           f"built-in recipes: {', '.join(available_recipes())}")
     try:
         text = path.read_text(encoding="utf-8")
@@ -112,7 +116,7 @@ def _register_recipe_file(path: Path, value: str) -> str:
         where = f", line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
         raise ConfigError(f"recipe file {path}{where}: not valid YAML ({problem})") from None
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, DictConfig) or not len(node):  # an empty file would silently run the defaults
         raise ConfigError(f"recipe file {path}: expected a mapping of config keys, as recipes/*.yaml hold")
     leading = re.match(r"(\s*#[^\n]*\n)*", text).group(0)  # Hydra reads the header in the leading comments only
     header = re.search(r"^\s*#\s*@package\s+(\S+)", leading, re.MULTILINE)

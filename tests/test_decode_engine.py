@@ -279,3 +279,23 @@ def test_prepare_for_decoding_dequantizes_unwraps_and_folds_in_order(tmp_path):
     with pytest.raises(RuntimeError, match="base side must be evaluated before"):
         with engine.side("base"):
             pass
+
+
+def test_evaluate_warns_when_the_adapter_trained_the_base_biases(sharp, caplog):
+    """lora.bias=all changes the base model's biases in place; peft cannot switch them off, so the 'base' side is
+    not the base model: said in a warning (found by a fresh user: base perplexity 522.60 vs 523.37)."""
+    import logging
+
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    from qwenft.evaluate.run import evaluate
+
+    model, tokenizer = sharp
+    cfg = config("quant=none")
+    for bias, warned in (("all", True), ("none", False)):
+        peft_model = get_peft_model(copy.deepcopy(model), PeftLoraConfig(r=2, target_modules=["q_proj"], bias=bias))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qwenft"):
+            report = evaluate(peft_model, tokenizer, cfg, None, ["base", "tuned"])
+        assert any("'base' side includes them" in r.getMessage() for r in caplog.records) == warned
+        assert report["engine"]["weights_dtype"] == "torch.float32"

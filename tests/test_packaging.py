@@ -158,6 +158,33 @@ def test_recipe_file_errors_name_the_file(tmp_path, monkeypatch):
         compose_config("+recipe=list.yaml")
     with pytest.raises(ConfigError, match="unknown recipe 'nope'.*available recipes: .*quickstart"):
         compose_config("+recipe=nope")  # a bare name with no nope.yaml here
+    (tmp_path / "empty.yaml").write_text("# only a comment\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"recipe file empty\.yaml: expected a mapping"):
+        compose_config("+recipe=empty.yaml")  # it would silently run the defaults
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "mine.yaml").write_text("# @package _global_\nlora:\n  r: 4\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"recipe file r/ is a directory"):
+        compose_config("+recipe=r/")
+    with pytest.raises(ConfigError, match=r"not found .*did you mean \+recipe=r/mine\.yaml\?"):
+        compose_config("+recipe=r/mine")
+
+
+def test_result_on_stdout_stays_clean_and_a_closed_pipe_is_quiet(tmp_path):
+    """WANDB_MODE=offline makes transformers print a notice on stdout when imported: not into `generate`'s answer;
+    and `qwenft recipes | head -1` ends without a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "qwenft", "generate", "model=tiny-random", "quant=none", "prompt=hi",
+                           "generate.max_new_tokens=3", f"out_dir={tmp_path}"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Running in WANDB offline mode" not in proc.stdout + proc.stderr  # dropped (the user set the mode)
+    assert proc.stdout.endswith("\n") and "tokens/s" not in proc.stdout  # the answer only; the summary is on stderr
+    piped = subprocess.run(f"{sys.executable} -m qwenft recipes | head -1", shell=True, capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert piped.stdout.startswith("recipes") and "Traceback" not in piped.stderr, piped.stderr
 
 
 def test_builtin_recipe_wins_over_a_same_named_file_here(tmp_path, monkeypatch, caplog):

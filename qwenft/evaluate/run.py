@@ -92,10 +92,12 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, Optional[flo
     return summary
 
 
-def perplexities(model, tokenizer, config: Config, bundle, batch_size: int) -> Dict[str, Dict[str, Any]]:
+def perplexities(model, tokenizer, config: Config, bundle, batch_size: Optional[int] = None) -> Dict[str, Dict[str, Any]]:
     """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers (the bundle's
     ``input_ids`` / ``labels`` of its held-out rows, as trained on: a ``text`` row counts every token), in
-    batches of ``batch_size`` windows / examples."""
+    batches of ``batch_size`` windows / examples (default: ``eval.batch_size``, or 8 when it is auto)."""
+    if batch_size is None:
+        batch_size = 8 if config.eval.batch_size == "auto" else int(config.eval.batch_size)
     from qwenft.data import resolve_path
     from qwenft.data.read import read_text
 
@@ -157,12 +159,17 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
     eval_rows = {name: rows for name, rows in eval_rows.items() if rows}
     prompt_len = max((len(r["prompt_ids"]) for rows in eval_rows.values() for r in rows), default=1)
     cache_len = prompt_len + settings.max_new_tokens
+    if "tuned" in sides and _trains_biases(model):
+        log.warning("the adapter trains the base model's biases (lora.bias=%s): peft cannot switch them off, so the "
+                    "'base' side includes them; evaluate the base alone with `qwenft eval` without adapter=",
+                    _bias_setting(model))
     engine = prepare_for_decoding(model, config, cache_len=cache_len, prompt_len=prompt_len)
     rows_per_batch, windows_per_batch = batch_sizes(config, engine.model, cache_len, prompt_len)
     sampler = Sampler(engine.model, tokenizer, engine.settings(settings))
     report: Dict[str, Any] = {"sources": {}, "perplexity": {}, "rows": {},
                               "engine": {"path": engine.path.reason, "batch_size": rows_per_batch,
-                                         "ppl_batch_size": windows_per_batch}}
+                                         "ppl_batch_size": windows_per_batch,
+                                         "weights_dtype": _weights_dtype(engine.model)}}
     for side in sides:
         with engine.side(side) as side_model:
             for name, rows in eval_rows.items():
@@ -187,6 +194,23 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
             slot.update({"source": name, "row": row.get("row"), "prompt": row["messages"][-2]["content"]
                          if len(row["messages"]) > 1 else "", "reference": row["messages"][-1]["content"]})
     return report
+
+
+def _bias_setting(model) -> str:
+    configs = getattr(model, "peft_config", None) or {}
+    return next((str(getattr(c, "bias", "none")) for c in configs.values()), "none")
+
+
+def _trains_biases(model) -> bool:
+    """Whether the adapter trained biases of the base model in place (peft ``LoraConfig.bias`` all / lora_only)."""
+    return _bias_setting(model) != "none"
+
+
+def _weights_dtype(model) -> str:
+    """The dtype of the decoder's projection weights as evaluated (e.g. ``torch.bfloat16``)."""
+    layer = model.get_decoder().layers[0].mlp.down_proj if hasattr(model, "get_decoder") else None
+    weight = getattr(getattr(layer, "base_layer", layer), "weight", None)
+    return str(weight.dtype) if weight is not None else "unknown"
 
 
 def run_after_train(config: Config, model, tokenizer, bundle) -> Dict[str, Any]:

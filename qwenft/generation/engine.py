@@ -104,7 +104,8 @@ def choose_path(config: Config, device: str, *, nf4: bool, adapter: bool, fold_b
             raise QwenftError("generate.fold_lora=true needs a 16-bit base: the NF4 base is kept (set "
                               "quant.dequantize_for_inference=true, or generate.fold_lora=auto)")
         if fold_wanted and fold_blocker:
-            raise QwenftError(f"generate.fold_lora=true: {fold_blocker}")
+            raise QwenftError(f"generate.fold_lora=true: {fold_blocker}; run it as an adapter with "
+                              "generate.fold_lora=auto or false")
         fold = bool(sixteen and not fold_blocker and (fold_wanted or cuda))
     from qwenft.runtime import native_bf16 as probe
 
