@@ -73,6 +73,11 @@ def make_plan(config: Config) -> Dict[str, Any]:
     arch = dataclasses.replace(unscaled, max_position_embeddings=scaled_positions(unscaled.max_position_embeddings,
                                                                                  rope))
     warning = context_warning(config.data.max_seq_len, unscaled.max_position_embeddings, rope)
+    strategy = config.dist.strategy
+    # The formulas model one process holding the whole model (one GPU, or each DDP rank); sharding is not modelled.
+    scope = ("per process; every process holds all of it" if strategy in ("none", "ddp") else
+             f"per process as if unsharded: dist.strategy={strategy} shards the weights, gradients and optimizer "
+             "states over the processes (not modelled here: divide those rows by the process count for an estimate)")
     pcfg = config.plan
     setup = TrainSetup.from_config(config, device=pcfg.device)
     nf4 = setup.nf4
@@ -106,6 +111,7 @@ def make_plan(config: Config) -> Dict[str, Any]:
         "lora": {"r": config.lora.r, "target_modules": list(config.lora.target_modules), "trainable": n_lora,
                  "percent_of_base": 100.0 * n_lora / counts["total"]},
         "training": {"device": setup.device, "quant": config.quant.method, "autocast": setup.amp,
+                     "dist_strategy": strategy, "scope": scope,
                      "optimizer": setup.optim, "kernels": setup.kernels, "attn_implementation": setup.attn,
                      "batch_size": batch,
                      "supervised_fraction": setup.supervised,
@@ -164,7 +170,8 @@ def render(plan: Dict[str, Any], console=None) -> None:
     lora, t = plan["lora"], plan["training"]
     console.print(f"LoRA r={lora['r']} on {', '.join(lora['target_modules'])}: {lora['trainable']:,} trainable "
                   f"parameters ({lora['percent_of_base']:.3f}% of the base)")
-    table = Table(title=f"Training step on {t['device']}: batch {t['batch_size']} x {t['seq_len']} tokens, "
+    table = Table(title=f"Training step on {t['device']} ({t['scope'].split(';')[0].split(':')[0]}): batch "
+                        f"{t['batch_size']} x {t['seq_len']} tokens, "
                         f"quant={t['quant']}, autocast={'bf16' if t['autocast'] else 'off'}, {t['optimizer']}, "
                         f"kernels={t['kernels']}")
     table.add_column("")
@@ -177,6 +184,8 @@ def render(plan: Dict[str, Any], console=None) -> None:
     for label, key in labels:
         table.add_row(label, *(_size(t[name][key]) for name in ("with_checkpointing", "without_checkpointing")))
     console.print(table)
+    if t["dist_strategy"] not in ("none", "ddp"):
+        console.print(f"[yellow]note:[/yellow] {t['scope']}")
     kv, inf, b = plan["kv_cache"], plan["inference"], plan["budget"]
     console.print(f"KV cache: {kv['bytes_per_token']:,} B per token ({kv['dtype_bytes'] * 8}-bit); "
                   f"{_size(kv['bytes'])} for {kv['context_len']:,} tokens. Inference: weights "
