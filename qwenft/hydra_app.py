@@ -288,10 +288,37 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
             try:
                 cfg = compose(config_name="config", overrides=[*point, f"command={command}"])
             except Exception as exc:
-                raise ConfigError(_compose_message(exc)) from None
-            configs.append(to_config(cfg))
+                message = _compose_message(exc)
+                raise ConfigError(f"{message}{_where_in_recipe_file(message, point)}") from None
+            try:
+                configs.append(to_config(cfg))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}{_where_in_recipe_file(str(exc), point)}") from None
     GlobalHydra.instance().clear()
     return configs
+
+
+def _where_in_recipe_file(message: str, overrides: Sequence[str]) -> str:
+    """`` (in recipe file PATH)`` when the key a validation message names is set by a recipe file in use, else ''."""
+    from omegaconf import OmegaConf
+
+    found = re.match(r"([A-Za-z0-9_.]+)[:=]", message) or re.search(r"key '([A-Za-z0-9_.\[\]]+)'", message)
+    if not found:
+        return ""
+    key = found.group(1)
+    for item in overrides:
+        option = item.partition("=")[2]
+        path = _FILE_RECIPES.get(option)
+        if path is None:
+            continue
+        try:
+            node = OmegaConf.load(path)
+        except Exception:  # read when registered; a file changed since is not worth a second error
+            continue
+        top = key.split(".")[0]
+        if top in node and (OmegaConf.select(node, key, default=None) is not None or "." not in key):
+            return f" (in recipe file {path})"
+    return ""
 
 
 def register_resolvers() -> None:

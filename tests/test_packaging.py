@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from qwenft.config import ConfigError
+from qwenft.hydra_app import register_resolvers, validate
 from qwenft.resources import available_recipes, recipe_dir
 from tests.conftest import ROOT, compose_config
 
@@ -167,6 +168,19 @@ def test_recipe_file_errors_name_the_file(tmp_path, monkeypatch):
         compose_config("+recipe=r/")
     with pytest.raises(ConfigError, match=r"not found .*did you mean \+recipe=r/mine\.yaml\?"):
         compose_config("+recipe=r/mine")
+
+
+def test_a_bad_key_set_by_a_recipe_file_names_the_file(tmp_path, monkeypatch):
+    register_resolvers()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typo.yaml").write_text("# @package _global_\ndat:\n  max_seq_len: 12\n", encoding="utf-8")
+    (tmp_path / "kind.yaml").write_text("# @package _global_\nlora:\n  r: abc\n", encoding="utf-8")
+    for name, pattern in (("typo", r"unknown key 'dat' .*\(in recipe file .*typo\.yaml\)$"),
+                          ("kind", r"^lora\.r: .*\(in recipe file .*kind\.yaml\)$")):
+        with pytest.raises(ConfigError, match=pattern):
+            validate("data", [f"+recipe=./{name}.yaml"])
+    with pytest.raises(ConfigError, match=r"^lora\.r: [^(]*$"):  # typed on the command line: no file named
+        validate("data", ["lora.r=abc"])
 
 
 def test_result_on_stdout_stays_clean_and_a_closed_pipe_is_quiet(tmp_path):
