@@ -262,7 +262,7 @@ def inspect_command(config: Config) -> Dict[str, Any]:
     config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     layers = resolve_layers(config.inspect.layers, resolve_architecture(config.model).num_hidden_layers)
     eager = dataclasses.replace(config, model=dataclasses.replace(config.model, attn_implementation="eager"))
-    model, tokenizer = load_for_inference(eager, dequantize=False)  # the 4-bit computation itself is traced
+    model, tokenizer = load_for_inference(eager)  # 4-bit as loaded: the 4-bit computation itself is traced
     if config.chat:
         from qwenft.data.template import with_system
 

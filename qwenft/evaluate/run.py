@@ -159,7 +159,7 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
     eval_rows = {name: rows for name, rows in eval_rows.items() if rows}
     prompt_len = max((len(r["prompt_ids"]) for rows in eval_rows.values() for r in rows), default=1)
     cache_len = prompt_len + settings.max_new_tokens
-    if "tuned" in sides and _trains_biases(model):
+    if "tuned" in sides and _bias_setting(model) != "none":
         log.warning("the adapter trains the base model's biases (lora.bias=%s): peft cannot switch them off, so the "
                     "'base' side includes them; evaluate the base alone with `qwenft eval` without adapter=",
                     _bias_setting(model))
@@ -197,13 +197,9 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
 
 
 def _bias_setting(model) -> str:
+    """The adapter's peft ``LoraConfig.bias``: ``all`` / ``lora_only`` train the base model's biases in place."""
     configs = getattr(model, "peft_config", None) or {}
     return next((str(getattr(c, "bias", "none")) for c in configs.values()), "none")
-
-
-def _trains_biases(model) -> bool:
-    """Whether the adapter trained biases of the base model in place (peft ``LoraConfig.bias`` all / lora_only)."""
-    return _bias_setting(model) != "none"
 
 
 def _weights_dtype(model) -> str:
@@ -235,7 +231,7 @@ def eval_command(config: Config) -> None:
     tokenizer = load_tokenizer(resolve_model_dir(config.model),
                                config.model.revision if config.model.source == "hub" else None)
     bundle = data_lib.build(config, tokenizer) if config.data.sources else None
-    model, tokenizer = load_for_inference(config, tokenizer=tokenizer, dequantize=False)  # evaluate() decides
+    model, tokenizer = load_for_inference(config, tokenizer=tokenizer)  # evaluate() decides
     sides = ["base", "tuned"] if config.adapter else ["base"]
     report = evaluate(model, tokenizer, config, bundle, sides)
     write_outputs(config, Path(config.out_dir), report)

@@ -166,7 +166,7 @@ def generate_command(config: Config) -> None:
 
     config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     device = default_device()
-    model, tokenizer = load_for_inference(config, device=device, dequantize=False)  # the engine decides
+    model, tokenizer = load_for_inference(config, device=device)  # 4-bit as loaded: the engine decides
     system_prompt = config.data.system_prompt
     inputs = [_chat_input(row, config.chat, system_prompt) for row in ([{"prompt": config.prompt}] if rows is None
                                                                         else [row for _, row in rows])]

@@ -96,7 +96,9 @@ def choose_path(config: Config, device: str, *, nf4: bool, adapter: bool, fold_b
     if compile_wanted and not cuda:
         raise QwenftError("generate.compile=true (static cache + torch.compile) needs the model on a CUDA device; "
                           "use generate.static_cache=true (no compile) or generate.compile=false")
-    compile_on = compile_wanted if compile_wanted is not None else (cuda and sixteen)
+    from qwenft.generation.generate import auto_compile
+
+    compile_on = compile_wanted if compile_wanted is not None else auto_compile(device, sixteen)
     fold_wanted = _tri(config.generate.fold_lora)
     fold = False
     if adapter and fold_wanted is not False:
@@ -222,8 +224,8 @@ class Engine:
 
 
 def prepare_for_decoding(model, config: Config, *, cache_len: int, prompt_len: int) -> Engine:
-    """Choose the :class:`DecodePath` for ``model`` (loaded by :func:`qwenft.model.inference.load_for_inference`
-    with ``dequantize=False``, or just trained) and apply it: dequantize, cast, unwrap for folding.
+    """Choose the :class:`DecodePath` for ``model`` (as :func:`qwenft.model.inference.load_for_inference`
+    loaded it, or just trained) and apply it: dequantize, cast, unwrap for folding.
 
     Args:
         cache_len: tokens one row will cache (longest prompt + max_new_tokens); prompt_len: longest prompt.

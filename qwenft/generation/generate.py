@@ -100,6 +100,11 @@ def _accepts(model, name: str) -> bool:
         return False
 
 
+def auto_compile(device: str, sixteen_bit: bool) -> bool:
+    """``generate.compile=auto``: compile the decode step on a CUDA device when the base runs in 16-bit."""
+    return device == "cuda" and sixteen_bit
+
+
 def compile_decode(config: GenerateConfig, model) -> bool:
     """Whether decode steps are compiled: ``generate.compile`` true, or auto on a CUDA device with no 4-bit layer
     (a 16-bit base: :mod:`qwenft.generation.engine` dequantizes one when it fits)."""
@@ -107,7 +112,7 @@ def compile_decode(config: GenerateConfig, model) -> bool:
         return config.compile == "true"
     from qwenft.model.load import has_4bit_layers
 
-    return _device(model).type == "cuda" and not has_4bit_layers(model)
+    return auto_compile(_device(model).type, not has_4bit_layers(model))
 
 
 def bucket_length(tokens: int) -> int:

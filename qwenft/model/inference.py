@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 
 from qwenft.config import Config
 from qwenft.model.adapter import check_adapter_dir, inference_config, read_adapter_meta
-from qwenft.model.load import dequantize_for_inference, load_model
+from qwenft.model.load import load_model
 from qwenft.model.lora import load_adapter
 from qwenft.model.serving import read_adapter_config, vllm_support, vllm_warning
 
@@ -41,18 +41,15 @@ def prepare_inference(config: Config) -> Config:
     return config
 
 
-def load_for_inference(config: Config, device: Optional[str] = None, tokenizer=None,
-                       dequantize: bool = True) -> Tuple[Any, Any]:
+def load_for_inference(config: Config, device: Optional[str] = None, tokenizer=None) -> Tuple[Any, Any]:
     """Base (``config.model`` / ``config.quant``, as :func:`prepare_inference` resolved them) plus the adapter
-    when ``config.adapter`` is set, in eval mode.
+    when ``config.adapter`` is set, in eval mode, as loaded: a 4-bit base stays 4-bit (``inspect`` traces that
+    computation; eval and generate let ``qwenft.generation.engine.prepare_for_decoding`` decide whether to
+    dequantize it, with the free GPU memory in view).
 
     Args:
         device: where to load (default: :func:`qwenft.runtime.default_device`).
         tokenizer: one already loaded from the same source (e.g. to read the data before the weights).
-        dequantize: replace a 4-bit base by its dequantized copy where ``quant.dequantize_for_inference`` says so
-            (:func:`qwenft.model.load.dequantize_for_inference`; default auto: on a CPU); ``inspect`` traces the
-            4-bit computation itself and passes False, and eval / generate pass False and let
-            ``qwenft.generation.engine.prepare_for_decoding`` decide with the free GPU memory in view.
 
     Returns:
         ``(model, tokenizer)``: a ``PeftModel`` when an adapter was loaded.
@@ -64,6 +61,4 @@ def load_for_inference(config: Config, device: Optional[str] = None, tokenizer=N
     if config.adapter:
         model = load_adapter(model, config.adapter)
     model.eval()
-    if dequantize:
-        dequantize_for_inference(model, config.quant, str(next(model.parameters()).device.type))
     return model, tokenizer
