@@ -5,7 +5,9 @@ config (``conf/config.yaml``, ``+recipe=NAME`` or ``+recipe=./my.yaml``, overrid
 validates it against :mod:`qwenft.config` *before* anything heavy is imported or loaded, and only
 then hands over to Hydra (run directory, ``.hydra/`` snapshot, log file, ``-m`` multirun).
 A user error (bad key, wrong type, impossible value, missing file) ends with exit code 2 and one
-line naming the problem; no traceback.
+line naming the problem; no traceback. A failed gate of the verdict under ``eval.fail_on_gate=true`` ends ``train``
+and ``eval`` with exit code 3 (:data:`GATE_EXIT_CODE`) once everything is written, with one line naming the failed
+gates and report.md (with ``-m``: after every grid point ran).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from qwenft.config import COMMANDS, QwenftError, to_config
+from qwenft.config import COMMANDS, GatesFailed, QwenftError, to_config
 from qwenft.files import file_in_the_way
 from qwenft.hydra_app import (RUN_DIR_COMMANDS, _log_to_files, _parse_hydra_args, discard_untouched_run_dir, fail,
                                free_form, hydra_snapshot, recipe_overrides, restore_hydra_snapshot, validate,
@@ -26,6 +28,8 @@ from qwenft.resources import available_recipes, conf_dir
 from qwenft.runlock import RunLock, lock_run_dirs, new_run_stamp
 
 log = logging.getLogger("qwenft")
+
+GATE_EXIT_CODE = 3  # a gate of the verdict failed (eval.fail_on_gate=true); 2 is a user error
 
 # command -> (one-line help, "module:function" run with the validated Config)
 COMMAND_TABLE: Dict[str, Tuple[str, str]] = {
@@ -77,6 +81,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
     from omegaconf import DictConfig
 
     snapshots = {path: hydra_snapshot(Path(path)) for path in existing}
+    failed_gates: List[str] = []  # one line per run whose verdict failed; reported once every job ran
     extra = [f"command={command}", f"hydra.job.name={command}"]
     if command not in RUN_DIR_COMMANDS:
         extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stderr"]
@@ -90,6 +95,9 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
                 config.out_dir = HydraConfig.get().runtime.output_dir
                 run_dir = Path(config.out_dir).expanduser().resolve()
             return _resolve(command)(config)
+        except GatesFailed as exc:  # everything is written: the run directory stays as it is
+            _log_to_files(f"verdict: {exc}")
+            failed_gates.append(str(exc))
         except QwenftError as exc:
             _log_to_files(f"error: {exc}")
             if run_dir is not None and os.environ.get("RANK", "0") == "0":
@@ -113,10 +121,15 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
         task()
     finally:
         sys.argv = saved
+    if failed_gates:
+        for line in failed_gates:
+            print(f"qwenft: verdict FAIL: {line}", file=sys.stderr)
+        raise SystemExit(GATE_EXIT_CODE)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of ``python -m qwenft``; exits 0 on success, 2 on a user error."""
+    """Entry point of ``python -m qwenft``; exits 0 on success, 2 on a user error, 3 when a gate failed under
+    ``eval.fail_on_gate=true``."""
     try:
         _main(argv)
     except BrokenPipeError:  # `qwenft recipes | head -3`: the reader left; no traceback for that

@@ -194,7 +194,7 @@ def sweep_grid(overrides) -> List[List[str]]:
     return [list(point) for point in itertools.product(*values.values())]
 
 
-_FREE_FORM = re.compile(r"^(data\.sources\.\d+\.(columns|replace)|dist\.fsdp|dist\.deepspeed)(\.[^=]+)?=")
+_FREE_FORM = re.compile(r"^(data\.sources\.\d+\.(columns|replace)|dist\.fsdp|dist\.deepspeed|eval\.gates)(\.[^=]+)?=")
 
 
 _TEXT_KEYS = ("prompt", "data.system_prompt")  # free text: taken literally, whatever characters it has
@@ -222,7 +222,8 @@ def free_form(overrides: Sequence[str]) -> List[str]:
       placeholder -> text, checked by :class:`qwenft.config.DataSource`): Hydra refuses new keys in
       a struct config unless the override starts with ``++``; the keys are checked against the format later
       (:class:`qwenft.config.DataSource`). So are ``dist.fsdp`` and ``dist.deepspeed`` (passed through to
-      transformers' ``fsdp_config`` / ``deepspeed``).
+      transformers' ``fsdp_config`` / ``deepspeed``), and ``eval.gates`` (``eval.gates={domain: {min_delta: 0.2}}``
+      or ``eval.gates.domain.min_delta=0.2``; checked by :mod:`qwenft.config.gates`).
     - ``prompt=春天`` and ``data.system_prompt=...``: free text is quoted for Hydra (unquoted non-ASCII or ``,``
       would be refused) and taken literally (``${...}`` stays text, see :func:`quote_text`); ``null`` stays null.
       A sweep over them needs the user's own Hydra quoting.

@@ -87,3 +87,50 @@ def apply_kernels(model, kernels: str) -> None:
     apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                 fused_linear_cross_entropy=False, model=model)
     log.info("train.kernels=liger: Liger's RMSNorm, RoPE and SwiGLU kernels, fused linear cross-entropy loss")
+
+
+def target_logprobs(hidden, weight, targets, chunk: Optional[int] = None):
+    """Log-probabilities of ``targets`` under ``log_softmax(hidden @ weight.T)``, ``chunk`` rows at a time, without
+    a ``[rows, vocab]`` logits tensor: the inference twin of the training loss (:mod:`qwenft.train.loss`), used for
+    perplexity windows, held-out answers and benchmark choices.
+
+    The projection runs in the dtype of ``weight`` as given (the model's compute dtype; ``hidden`` is cast to it),
+    or in the autocast dtype inside an autocast region; the log-softmax of each chunk in fp32 (as transformers' loss
+    upcasts the logits; float64 for a float64 model), computed in place: one chunk holds ``chunk * vocab`` fp32
+    values, plus the 16-bit product while it is upcast.
+
+    Args:
+        hidden: ``[rows, hidden]`` final hidden states at the positions that predict ``targets``.
+        weight: ``[vocab, hidden]`` the vocabulary projection (``lm_head.weight``; Qwen2 has no bias there).
+        targets: ``[rows]`` int64 ids in ``[0, vocab)``.
+        chunk: rows per chunk (default: :func:`chunk_tokens` of the vocabulary, 64 MiB of fp32 logits).
+
+    Returns:
+        ``(logprobs, is_greedy)``: ``[rows]`` fp32 log-probabilities (nats, <= 0; float64 when ``weight`` is) and
+        ``[rows]`` bool, whether the target is the arg-max token (ties count as greedy).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    import torch
+
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or \
+            targets.shape != hidden.shape[:1]:
+        raise ValueError(f"target_logprobs: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets "
+                         f"{tuple(targets.shape)}: expected [rows, hidden], [vocab, hidden], [rows]")
+    chunk = chunk or chunk_tokens(weight.shape[0])
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    reduce = torch.promote_types(weight.dtype, torch.float32)  # fp32; float64 stays float64
+    out = torch.empty(targets.shape, dtype=reduce, device=hidden.device)
+    greedy = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        stop = start + chunk
+        logits = (hidden[start:stop] @ weight.t()).to(reduce)  # [chunk, vocab]: the only logits alive
+        target = logits.gather(1, targets[start:stop, None]).squeeze(1)
+        peak = logits.amax(dim=-1)
+        greedy[start:stop] = target >= peak
+        sums = logits.sub_(peak[:, None]).exp_().sum(dim=-1)  # in place: logsumexp would allocate a second buffer
+        out[start:stop] = target - peak - sums.log()
+        del logits
+    return out, greedy

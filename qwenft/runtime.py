@@ -3,14 +3,16 @@
 One home for these facts, imported by every room that needs them (it imports only :mod:`qwenft.config`): the
 device (``cuda:LOCAL_RANK`` or ``cpu``), whether bf16 is native there, what ``auto`` dtypes resolve to, where
 converted models are cached (``$QWENFT_CACHE``), and the rank / world size of a distributed launch (``torchrun`` /
-``accelerate launch`` set them in the environment).
+``accelerate launch`` set them in the environment), and the peak memory of a phase of a run (:func:`peak_memory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Iterator, Optional
 
 
 def cache_dir() -> Path:
@@ -102,3 +104,93 @@ def resolve_optim(choice: str, strategy: str, cuda: bool) -> str:
     if strategy in ("fsdp", "deepspeed"):
         return "adamw_torch"
     return "paged_adamw_8bit" if cuda else "adamw_torch"
+
+
+def _status_bytes(field: str) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _release_freed_memory() -> None:
+    """Collect garbage and hand glibc's freed heap pages back to the kernel (``malloc_trim(0)``), so that a phase's
+    peak counts what is live, not what an earlier phase freed into the allocator; a no-op off glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@contextlib.contextmanager
+def peak_memory(device: Optional[str] = None) -> Iterator[Dict[str, object]]:
+    """Measure the peak memory of the ``with`` block; yields a dict filled in when the block ends.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (tensors only: no CUDA context, no
+    allocator cache). CPU: the process's peak resident set (RSS, every page it holds: libraries, Python objects and
+    tensors): the kernel's high-water mark is reset to the current RSS by writing ``5`` to ``/proc/self/clear_refs``
+    (Linux ``Documentation/filesystems/proc.rst``) after freed memory was returned (:func:`_release_freed_memory`),
+    and ``VmHWM`` of ``/proc/self/status`` is read at the end. Where that is not possible (not Linux, no
+    permission), ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: the peak since the process started, with a note.
+
+    Args:
+        device: ``cuda[:N]`` or ``cpu`` (default: :func:`default_device`).
+
+    Yields:
+        ``{"bytes": peak (bytes), "start_bytes": bytes held when the block began, "kind": "cuda_max_allocated" |
+        "cpu_peak_rss" | "cpu_max_rss_since_start", "seconds": wall-clock seconds of the block}``, plus ``"note"``
+        for the fallback. Filled in even when the block raises.
+    """
+    import torch
+
+    device = device or default_device()
+    cuda = device.startswith("cuda")
+    result: Dict[str, object] = {}
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    else:
+        _release_freed_memory()
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+                refs.write("5")
+            reset = True
+        except OSError:
+            reset = False
+        start = _status_bytes("VmRSS") or 0
+        reset = reset and start > 0
+    began = time.perf_counter()
+    try:
+        yield result
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak, kind, note = torch.cuda.max_memory_allocated(device), "cuda_max_allocated", None
+        else:
+            peak = _status_bytes("VmHWM") if reset else None
+            kind, note = "cpu_peak_rss", None
+            if peak is None:
+                import resource
+                import sys
+
+                scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+                kind = "cpu_max_rss_since_start"
+                note = "the RSS high-water mark could not be reset: ru_maxrss, the peak since the process started"
+        result.update({"bytes": int(peak), "start_bytes": int(start), "kind": kind,
+                       "seconds": round(time.perf_counter() - began, 3), **({"note": note} if note else {})})
+
+
+def describe_peaks(memory: Dict[str, Dict[str, object]]) -> str:
+    """One line for report.md: each phase's peak (GiB, as :func:`peak_memory` measured it) and its seconds."""
+    parts = [f"{phase} {int(m['bytes']) / 2**30:.2f} GiB ({m['kind']}, {m['seconds']} s)"
+             for phase, m in memory.items() if isinstance(m, dict) and "bytes" in m]
+    return "- peak memory: " + ("; ".join(parts) if parts else "not measured")

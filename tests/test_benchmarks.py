@@ -140,6 +140,36 @@ def test_sampler_benchmark_pairs_steps_and_checks_the_forward_inputs(tmp_path):
             assert _positive(row[key]), (key, row)
 
 
+def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path):
+    """benchmarks/bench_eval.py --quick: qwenft's lm-eval model and lm-eval's HFLM on the same tiny-random model and
+    MMLU questions (the project's data/bench), in ABBA order, float32 and bfloat16; the JSON has every field."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_eval.py", "--quick"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench_eval_quick.json").read_text())
+    settings = result["settings"]
+    assert settings["model"] == "tiny-random" and settings["per_subject"] == 2 and len(settings["subjects"]) == 2
+    assert all(len(ids) == 2 for ids in settings["questions"].values())
+    assert [r["dtype"] for r in result["runs"]] == ["float32", "bfloat16"]
+    assert set(result["ratio_qwenft_over_hflm"]) == {"float32", "bfloat16"}
+    for run in result["runs"]:
+        assert run["questions"] == 4 and run["order"] == ["qwenft", "hflm", "hflm", "qwenft"], run["order"]
+        for arm in ("qwenft", "hflm"):
+            assert _positive(run["seconds"][arm]) and _positive(run["questions_per_s"][arm])
+            assert run["questions_per_s"][arm] == pytest.approx(4 / run["seconds"][arm])
+            assert run["model_tokens"][arm]["tokens"] > 0 and run["model_tokens"][arm]["forwards"] > 0
+            assert 0 <= run["accuracy"][arm] <= 1
+        assert run["ratio_qwenft_over_hflm"] == pytest.approx(run["seconds"]["hflm"] / run["seconds"]["qwenft"])
+        assert set(run["ratio_by_subject"]) == set(settings["subjects"])
+        # qwenft runs each subject's shared shots once: fewer tokens through the model than HFLM's whole prompts
+        assert run["token_ratio_hflm_over_qwenft"] > 1
+        assert run["same_predictions"] + len(run["differing"]) == 4
+        assert math.isfinite(run["max_abs_loglik_diff"]) and len(run["load_average"]) == 4
+    fp32 = result["runs"][0]
+    # fp32: only summation order separates the arms (a cached prefix vs one pass)
+    assert fp32["max_abs_loglik_diff"] < result["fp32_tolerance"] and fp32["same_predictions"] == 4
+
+
 def test_bootstrap_interval_resamples_whole_repeats():
     sys.path.insert(0, str(ROOT))
     from benchmarks.sampler import bootstrap_median_ci
@@ -162,7 +192,7 @@ def test_suite_rejects_an_unknown_benchmark():
 def test_cpu_suite_quick_mode(tmp_path):
     """`python -m benchmarks --quick`: every script in its quick mode, suite.json with a ratio per benchmark.
 
-    Several minutes (five fresh interpreters, plan_accuracy's own children): longer than other slow tests.
+    Several minutes (six fresh interpreters, plan_accuracy's own children): longer than other slow tests.
     """
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not present (data_tokenization and perplexity read it)")
@@ -172,7 +202,7 @@ def test_cpu_suite_quick_mode(tmp_path):
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert suite["quick"] is True
     entries = {e["name"]: e for e in suite["benchmarks"]}
-    assert list(entries) == ["sampler", "train_step", "data_tokenization", "perplexity", "plan_accuracy"]
+    assert list(entries) == ["sampler", "train_step", "data_tokenization", "perplexity", "plan_accuracy", "bench_eval"]
     for name, entry in entries.items():
         assert entry["status"] == "ok", entry
         assert _positive(entry["seconds"]) and entry["ratios"], entry

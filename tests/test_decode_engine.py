@@ -18,7 +18,8 @@ from qwenft.export.verify import RTOL
 from qwenft.generation import Sampler
 from qwenft.generation.batches import ALIGN, plan_batches, generate_many
 from qwenft.generation.engine import (MARGIN_BYTES, MAX_AUTO_ROWS, auto_batch_sizes, choose_path,
-                                      dense_projection_bytes, prepare_for_decoding, reserve_bytes, row_bytes)
+                                      dense_projection_bytes, prepare_for_decoding, reserve_bytes, row_bytes,
+                                      window_bytes)
 from qwenft.model import attach_lora, load_model
 from qwenft.model.fold import fold_blocker, unwrap
 from qwenft.model.load import has_4bit_layers
@@ -48,8 +49,9 @@ def test_7b_dequantizes_folds_and_compiles_on_an_h200_but_not_on_a_16_gb_card():
                        free_bytes=130 * GiB, reserve_bytes=reserve, native_bf16=True)
     assert (h200.dequantize, h200.fold, h200.compile, h200.dtype) == (True, True, True, "bfloat16")
     small = choose_path(cfg, "cuda", nf4=True, adapter=True, fold_blocker=None, dense_bytes=dense,
-                        free_bytes=11 * GiB, reserve_bytes=reserve)  # 16 GB card with the NF4 weights loaded
-    assert (small.dequantize, small.fold, small.compile, small.dtype) == (False, False, False, None)
+                        free_bytes=11 * GiB, reserve_bytes=reserve, native_bf16=True)  # 16 GB card, NF4 loaded
+    # kept in NF4, but its other weights and LoRA in the compute dtype, as a later `qwenft eval` loads them
+    assert (small.dequantize, small.fold, small.compile, small.dtype) == (False, False, False, "bfloat16")
     assert "do not fit" in small.reason
     # The boundary is the planner's sum: dense + reserve.
     edge = choose_path(cfg, "cuda", nf4=True, adapter=False, fold_blocker=None, dense_bytes=dense,
@@ -62,8 +64,12 @@ def test_7b_dequantizes_folds_and_compiles_on_an_h200_but_not_on_a_16_gb_card():
 
 def test_cpu_dequantizes_but_neither_folds_nor_compiles_by_default():
     path = choose_path(config("quant=nf4"), "cpu", nf4=True, adapter=True, fold_blocker=None, dense_bytes=10,
-                       free_bytes=None, reserve_bytes=0)
-    assert (path.dequantize, path.fold, path.compile, path.dtype) == (True, False, False, None)
+                       free_bytes=None, reserve_bytes=0, native_bf16=True)
+    # the compute dtype on a CPU too (it used to keep the fp32 weights QLoRA's preparation leaves after training)
+    assert (path.dequantize, path.fold, path.compile, path.dtype) == (True, False, False, "bfloat16")
+    plain = choose_path(config("quant=nf4"), "cpu", nf4=True, adapter=True, fold_blocker=None, dense_bytes=10,
+                        free_bytes=None, reserve_bytes=0, native_bf16=False)
+    assert plain.dtype == "float32"  # compute_dtype auto where bf16 is not native
     forced = choose_path(config("quant=nf4", "generate.fold_lora=true"), "cpu", nf4=True, adapter=True,
                          fold_blocker=None, dense_bytes=10, free_bytes=None, reserve_bytes=0)
     assert forced.fold
@@ -97,8 +103,13 @@ def test_auto_batch_sizes_from_kv_and_logits_bytes():
     rows, windows = auto_batch_sizes(arch, MARGIN_BYTES + 5 * each, 1152, 1024, 1024)
     assert rows == 4  # five fit; rounded down to a power of two
     assert each == 184_276_992
-    assert windows == 1  # 921 MB of room holds no 934 MB window (1024 x 152,064 x 6 bytes): never fewer than 1
-    assert auto_batch_sizes(arch, MARGIN_BYTES + 3 * 934_281_216, 1152, 1024, 1024)[1] == 2
+    # A 1,024-token window holds no [window, vocab] logits any more (chunked projection): its body's activations,
+    # 1024 x (2 x 3584 x 2 residual + 3 x 18944 x 2 MLP) + 1024^2 mask + 1024 x 3584 x 2 gathered = 139 MB.
+    assert window_bytes(arch, 1024) == 1024 * (2 * 3584 * 2 + 3 * 18944 * 2) + 1024**2 + 1024 * 3584 * 2
+    assert window_bytes(arch, 1024) == 139_460_608
+    assert windows == 4  # 921 MB of room holds six: rounded down to a power of two
+    assert auto_batch_sizes(arch, MARGIN_BYTES + 3 * 139_460_608, 1152, 1024, 1024)[1] == 2
+    assert auto_batch_sizes(arch, MARGIN_BYTES + 139_460_607, 1152, 1024, 1024)[1] == 1  # never fewer than 1
     assert auto_batch_sizes(arch, 0, 1152, 1024, 1024) == (1, 1)
     assert auto_batch_sizes(arch, None, 1152, 1024, 1024) == (8, 8)  # a CPU: the former default
 
@@ -279,6 +290,28 @@ def test_prepare_for_decoding_dequantizes_unwraps_and_folds_in_order(tmp_path):
     with pytest.raises(RuntimeError, match="base side must be evaluated before"):
         with engine.side("base"):
             pass
+
+
+def test_after_training_and_a_later_eval_run_the_same_dtypes(tmp_path):
+    """Issue 26 item 7: QLoRA's preparation leaves the embeddings, norms, lm_head and LoRA in fp32; the evaluation
+    after `train` used to run on those on a CPU, while `qwenft eval` loads them in the compute dtype. Both now read
+    every weight (the dequantized projections too) in the compute dtype."""
+    from qwenft.model.lora import load_adapter
+
+    cfg = config("quant=nf4", "quant.compute_dtype=bfloat16")
+    torch.manual_seed(0)
+    trained = attach_lora(load_model(cfg, device="cpu")[0], cfg.lora, gradient_checkpointing=False)
+    assert torch.float32 in {p.dtype for p in trained.parameters()}  # what training leaves
+    trained.save_pretrained(str(tmp_path))
+    fresh = load_adapter(load_model(cfg, device="cpu")[0], str(tmp_path))
+    dtypes = {}
+    for name, model in (("after train", trained), ("later eval", fresh)):
+        engine = prepare_for_decoding(model, cfg, cache_len=16, prompt_len=8)
+        assert engine.path.dequantize and not has_4bit_layers(engine.model)
+        dtypes[name] = {n: p.dtype for n, p in engine.model.named_parameters()}
+    assert dtypes["after train"] == dtypes["later eval"]
+    assert set(dtypes["after train"].values()) == {torch.bfloat16}
+    assert any("lora_A" in n for n in dtypes["after train"]) and any("mlp.down_proj" in n for n in dtypes["later eval"])
 
 
 def test_evaluate_warns_when_the_adapter_trained_the_base_biases(sharp, caplog):

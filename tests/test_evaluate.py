@@ -63,6 +63,13 @@ def test_metrics_json_matches_report(trained_run):
     for value in ppl.values():
         assert value["base"]["tokens"] == value["tuned"]["tokens"] > 0
         assert value["ratio"] == pytest.approx(value["tuned"]["perplexity"] / value["base"]["perplexity"])
+    memory = metrics["memory"]  # each phase's peak (issue 26 item 7), and its line in report.md
+    assert set(memory) == {"train", "eval"}
+    for phase in memory.values():
+        assert phase["bytes"] >= phase["start_bytes"] > 0 and phase["kind"] == "cpu_peak_rss" and phase["seconds"] > 0
+    from qwenft.runtime import describe_peaks
+
+    assert describe_peaks(memory) in (run_dir / "report.md").read_text()
 
 
 def test_eval_command_with_adapter(trained_run):
@@ -77,6 +84,7 @@ def test_eval_command_with_adapter(trained_run):
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["eval"]["sources"]["toy"]) == {"base", "tuned", "delta"}
+    assert set(metrics["memory"]) == {"eval"} and metrics["memory"]["eval"]["bytes"] > 0  # no train phase here
     assert re.search(r"\| exact_match_number \|", (out / "report.md").read_text())
 
 

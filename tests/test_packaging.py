@@ -60,8 +60,10 @@ def test_wheel_holds_the_config_tree_recipes_and_data(installed):
     wheel, _, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"qwenft/_project/conf/{p}" for p in _files(ROOT / "conf") if p.endswith(".yaml")}
-    expected |= {f"qwenft/_project/data/{p}" for p in _files(ROOT / "data") if p.endswith((".jsonl", ".md"))}
+    expected |= {f"qwenft/_project/data/{p}" for p in _files(ROOT / "data") if p.endswith((".jsonl", ".md", ".csv",
+                                                                                            ".json"))}
     assert "qwenft/_project/conf/recipe/quickstart.yaml" in expected and "qwenft/_project/data/domain.jsonl" in expected
+    assert "qwenft/_project/data/bench/mmlu/test/anatomy_test.csv" in expected  # the quickstart's retention set
     assert expected <= names, sorted(expected - names)
     modules = {f"qwenft/{p}" for p in _files(ROOT / "qwenft") if p.endswith(".py")}
     assert modules <= names, sorted(modules - names)

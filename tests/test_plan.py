@@ -236,6 +236,49 @@ def test_budget_answers_are_consistent():
             assert training_memory(arch, setup, row["batch_size"] + 1, row["seq_len"])["peak"] > budget
 
 
+def test_evaluation_peak_holds_dense_weights_kv_and_one_chunk_of_logits():
+    """Issue 26 item 7: on a CPU the NF4 base is dequantized to the compute dtype, every other weight and LoRA too; the
+    perplexity batch costs its body's activations and one chunk of logits, no [batch, window, vocab] tensor."""
+    from qwenft.plan.evaluation import CPU_BASELINE_BYTES, chunk_logits_bytes, forward_bytes
+
+    overrides = ("quant=nf4", "quant.compute_dtype=bfloat16", "plan.device=cpu", "data.max_seq_len=768",
+                 "eval.max_new_tokens=256", "eval.ppl_sources=[]")
+    ev = make_plan(compose_config(*overrides, "eval.batch_size=8"))["evaluation"]
+    arch = arch_of("embedded")
+    V, H, I = arch.vocab_size, arch.hidden_size, arch.intermediate_size
+    assert ev["dequantized"] and ev["dtype_bytes"] == 2 and ev["baseline"] == CPU_BASELINE_BYTES
+    assert ev["weights"] == 2 * 630_167_424  # every parameter in bf16
+    assert ev["lora_weights"] == 2 * lora_parameter_count(arch, compose_config(*overrides).lora)
+    # 8 windows of 768 tokens: residual 2 H + MLP with LoRA on gate/up 4 I per token (bf16), the causal mask, the
+    # gathered hidden states, one chunk of 110 rows x vocab (fp32 + its bf16 product)
+    n = 8 * 768
+    assert forward_bytes(arch, 8, 768, 2, lora_mlp=True) == n * (2 * H * 2 + 4 * I * 2) + 8 * 768 * 768
+    assert chunk_logits_bytes(arch, n, 2) == 110 * V * 6
+    assert ev["perplexity"] == forward_bytes(arch, 8, 768, 2, True) + n * H * 2 + 110 * V * 6
+    assert ev["perplexity"] < n * V * 2 / 4  # the bf16 logits alone were 1.87 GB: now the whole batch is < 1/4
+    assert ev["generation"] == (kv_cache_bytes(arch, 8 * (768 + 256), 2) + forward_bytes(arch, 8, 768, 2, True)
+                                + 8 * 12 * V)
+    assert ev["benchmarks"] == 0
+    assert ev["peak"] == ev["baseline"] + ev["weights"] + ev["lora_weights"] + max(ev["generation"], ev["perplexity"])
+    bench = make_plan(compose_config(*overrides, "eval.batch_size=8", "eval.benchmarks=[mmlu]"))["evaluation"]
+    assert bench["benchmarks"] == (kv_cache_bytes(arch, 9 * 1024, 2) + forward_bytes(arch, 8, 1024, 2, True)
+                                   + chunk_logits_bytes(arch, 8, 2))
+    largest = max(ev["generation"], ev["perplexity"])
+    assert bench["peak"] == ev["peak"] - largest + bench["benchmarks"]  # 1,024-token rows: the largest phase
+    double = make_plan(compose_config(*overrides, "eval.batch_size=16"))["evaluation"]
+    assert double["perplexity"] - 110 * V * 6 == 2 * (ev["perplexity"] - 110 * V * 6)  # linear in the batch
+
+
+def test_evaluation_on_cuda_dequantizes_only_when_it_fits():
+    big = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.gpu_gb=80"))["evaluation"]
+    small = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.gpu_gb=16"))["evaluation"]
+    arch = arch_of(QWEN7B)
+    assert big["dequantized"] and big["weights"] == 2 * parameter_counts(arch)["total"] and big["baseline"] == 0
+    assert not small["dequantized"] and small["weights"] < big["weights"] / 2  # NF4 kept: ~5.5 GB of 15 GB
+    assert make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.gpu_gb=80",
+                                    "quant.dequantize_for_inference=false"))["evaluation"]["dequantized"] is False
+
+
 def test_plan_cli_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "qwenft", "plan", "model=qwen2.5-7b-instruct", "lora.r=64",
@@ -245,6 +288,7 @@ def test_plan_cli_writes_json(tmp_path):
     plan = json.loads(out.read_text())
     assert plan["lora"]["trainable"] == 161_480_704
     assert plan["kv_cache"]["bytes_per_token"] == 57_344
+    assert "Evaluation peak on cuda" in proc.stdout and plan["evaluation"]["peak"] > plan["evaluation"]["weights"]
 
 
 def test_plan_out_that_is_a_directory_is_one_line(tmp_path):

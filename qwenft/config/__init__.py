@@ -14,7 +14,7 @@ Modules: :mod:`~qwenft.config.base` (errors, checks), :mod:`~qwenft.config.model
 may import it.
 """
 
-from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, QwenftError
+from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, GatesFailed, QwenftError
 from qwenft.config.data import FORMAT_FIELDS, DataConfig, DataSource
 from qwenft.config.load import escape_interpolations, omegaconf_message, to_config, unknown_key_message
 from qwenft.config.model import ROPE_TYPES, LoraConfig, ModelConfig, QuantConfig, RopeScalingConfig, TinyModelConfig
@@ -22,7 +22,7 @@ from qwenft.config.run import (DIST_STRATEGIES, QUANT_STORAGE, Config, DistConfi
                                InspectConfig, MergeConfig, PlanConfig, TrainConfig, WandbConfig)
 
 __all__ = ["ALL_TARGETS", "COMMANDS", "Config", "ConfigError", "DIST_STRATEGIES", "DataConfig", "DataSource",
-           "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GenerateConfig", "InspectConfig", "LoraConfig",
+           "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GatesFailed", "GenerateConfig", "InspectConfig", "LoraConfig",
            "MergeConfig", "ModelConfig", "PlanConfig", "QUANT_STORAGE", "QuantConfig", "QwenftError", "ROPE_TYPES",
            "RopeScalingConfig", "TinyModelConfig", "TrainConfig", "WandbConfig", "escape_interpolations",
            "omegaconf_message", "to_config", "unknown_key_message"]

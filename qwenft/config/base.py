@@ -19,6 +19,12 @@ class ConfigError(QwenftError, ValueError):
     """A configuration error; the message names the key and what is accepted."""
 
 
+class GatesFailed(Exception):
+    """A gate of the verdict failed under ``eval.fail_on_gate=true`` (:mod:`qwenft.evaluate.verdict`), raised after
+    every output of the run was written: the CLI prints the message (the failed gates, where report.md is) as one
+    line and exits 3. Not a :class:`QwenftError`: nothing was wrong with the input, and the run directory stays."""
+
+
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not accepted; choose one of: {', '.join(map(str, choices))}")

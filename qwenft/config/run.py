@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from qwenft.config.base import COMMANDS, _check, _check_choice
 from qwenft.config.data import DataConfig
+from qwenft.config.gates import check_gate_names, check_gate_values
 from qwenft.config.model import LoraConfig, ModelConfig, QuantConfig
 
 
@@ -135,8 +136,37 @@ class EvalConfig:
     generate: str = "precise"
     max_new_tokens: Optional[int] = None
     samples_in_report: int = 5
+    # Benchmarks (qwenft.evaluate.bench): lm-evaluation-harness tasks scored base vs tuned in the same process.
+    # Built in and offline: mmlu, ceval (5-shot, the answer letter's log-likelihood), gsm8k (5-shot, greedy, final
+    # number), read from the first directory of bench_data holding NAME/; any other lm-eval task name loads its own
+    # data (online), and bench_tasks=DIR adds a directory of lm-eval task YAMLs.
+    benchmarks: List[str] = field(default_factory=list)
+    bench_data: List[str] = field(default_factory=lambda: ["${qwenft_root:}/data/bench"])
+    bench_tasks: Optional[str] = None
+    bench_limit: Optional[int] = None   # questions per benchmark, sampled across subjects (seeded), same both sides
+    bench_subtasks: Optional[int] = None  # draw the questions from this many subtasks (subjects; seeded) at most:
+    # a subject's 5 shots are computed once for all its questions, so fewer subjects cost less per question
+    bench_seed: int = 0
+    bench_chat_template: bool = False   # render benchmark prompts through the chat template (lm-eval's option)
+    bench_max_gen_tokens: Optional[int] = None  # cap on generated tokens for generative tasks (null: the task's)
+    # The verdict (qwenft.evaluate.verdict): gates per source / benchmark / retention, e.g.
+    # {domain: {metric: contains_fact, min_delta: 0.2}, retention: {max_drop: 0.02}}; fail_on_gate: exit 3 after
+    # writing everything when a gate fails. A held-out row is right when its primary metric is 1 (contains_fact,
+    # exact_match_number) or >= correct_threshold (char_f1, rouge_l).
+    gates: Dict[str, Any] = field(default_factory=dict)
+    fail_on_gate: bool = False
+    correct_threshold: float = 0.5
 
     def __post_init__(self) -> None:
+        _check(self.bench_limit is None or self.bench_limit >= 1, "eval.bench_limit", self.bench_limit,
+               "must be null (every question) or >= 1")
+        _check(self.bench_subtasks is None or self.bench_subtasks >= 1, "eval.bench_subtasks", self.bench_subtasks,
+               "must be null (every subtask) or >= 1")
+        _check(self.bench_max_gen_tokens is None or self.bench_max_gen_tokens >= 1, "eval.bench_max_gen_tokens",
+               self.bench_max_gen_tokens, "must be null (the task's) or >= 1")
+        _check(0.0 <= self.correct_threshold <= 1.0, "eval.correct_threshold", self.correct_threshold,
+               "must be in [0, 1]")
+        check_gate_values(self.gates)
         for name in self.metrics:
             _check_choice("eval.metrics", name, ("exact_match_number", "char_f1", "rouge_l", "contains_fact"))
         _check(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens,
@@ -329,6 +359,8 @@ class Config:
     def __post_init__(self) -> None:
         _check_choice("command", self.command, COMMANDS)
         _check_choice("logger", self.logger, ("none", "wandb"))
+        if self.command in ("train", "eval"):  # a gate names a held-out source or benchmark of this run
+            check_gate_names(self.eval.gates, self.data.sources, self.eval.benchmarks, self.eval.metrics)
         if self.command == "train" and self.data.sources:  # eval may use evaluation-only (weight 0) sources
             _check(sum(s.weight for s in self.data.sources) > 0, "data.sources.weight",
                    [s.weight for s in self.data.sources], "at least one weight must be > 0 to train")

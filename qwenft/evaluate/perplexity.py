@@ -6,6 +6,10 @@ the first window that holds it with at least one token of context before it, so 
 ``window - 1`` tokens of context. With ``stride < window`` every token but a text's first is scored; with
 ``stride == window`` this is the plain non-overlapping chunk computation, where each chunk's first token
 has no context and is not scored. Windows from all texts are batched with right padding; padding and context-only positions carry no weight. NLLs are summed in float64.
+
+No ``[batch, seq, vocab]`` logits tensor is made: the model's body gives the final hidden states and only the scored
+positions are projected onto the vocabulary, a chunk at a time (:func:`qwenft.kernels.target_logprobs`, the
+inference twin of the training loss), so a batch's memory is its activations plus one chunk's logits.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
-_SLICE = 128  # positions upcast to float64 at once in the log-softmax
+from qwenft.kernels import target_logprobs
 
 
 @dataclass
@@ -52,11 +56,21 @@ def windows(length: int, window: int, stride: int) -> List[Tuple[int, int, int]]
     return spans
 
 
+def causal_parts(model):
+    """``(body, head_weight)`` of a causal LM: the decoder stack (``model.model``, returning ``last_hidden_state``
+    ``[batch, seq, hidden]``) and ``lm_head.weight`` ``[vocab, hidden]``. A ``PeftModel`` is unwrapped to its base
+    model, whose layers still carry the adapter: ``disable_adapter()`` switches it off there, so the side the caller
+    chose is the side scored (as :func:`qwenft.train.loss.supervised_loss_sum` unwraps for training). A trained
+    lm_head (peft ``modules_to_save``) answers ``.weight`` with the copy of the side set (peft's wrapper)."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return causal.model, causal.lm_head.weight
+
+
 def _score_batch(model, rows: Sequence[Tuple[List[int], List[bool]]], pad_id: int, device) -> Tuple[float, int]:
     """Summed NLL (float64) and count over ``rows`` of ``(ids [seq], scored [seq])``.
 
     ``scored[t]`` says whether token ``t`` (predicted from the tokens before it) counts; ``scored[0]`` must
-    be False.
+    be False. Only the scored positions' hidden states are projected (:func:`qwenft.kernels.target_logprobs`).
     """
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -67,21 +81,12 @@ def _score_batch(model, rows: Sequence[Tuple[List[int], List[bool]]], pad_id: in
         attention[i, :len(ids)] = 1
         weight[i, :len(ids)] = torch.tensor(scored, dtype=torch.bool)
     input_ids, attention, weight = input_ids.to(device), attention.to(device), weight.to(device)
+    body, head = causal_parts(model)
+    mask = weight[:, 1:]  # position t's hidden state predicts token t+1
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention).logits
-    # Position t's logits predict token t+1. Upcast to float64 a slice at a time: a whole [batch, seq, vocab]
-    # float64 tensor would be ~10 GB for batch 8 x 1024 tokens x 151,936 (Qwen's vocabulary).
-    targets, mask = input_ids[:, 1:], weight[:, 1:]
-    nll = 0.0
-    for row in range(logits.shape[0]):
-        for start in range(0, targets.shape[1], _SLICE):
-            stop = start + _SLICE
-            scored = mask[row, start:stop]
-            if scored.any():
-                logprobs = torch.log_softmax(logits[row, start:stop].double(), dim=-1)
-                token_lp = logprobs.gather(-1, targets[row, start:stop].unsqueeze(-1)).squeeze(-1)
-                nll -= float(token_lp[scored].sum().item())
-    return nll, int(mask.sum().item())
+        hidden = body(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+        logprobs, _ = target_logprobs(hidden[:, :-1][mask], head, input_ids[:, 1:][mask])
+    return -float(logprobs.double().sum().item()), int(mask.sum().item())
 
 
 def perplexity_of_ids(model, texts: Iterable[Sequence[int]], *, window: int, stride: int, batch_size: int,
@@ -89,7 +94,8 @@ def perplexity_of_ids(model, texts: Iterable[Sequence[int]], *, window: int, str
     """Sliding-window perplexity of token sequences (each ``[seq]``), batched.
 
     Args:
-        model: a causal LM returning ``logits [batch, seq, vocab]``.
+        model: a causal LM with a ``model`` body and an ``lm_head`` (a ``PeftModel`` around one: the side
+            its adapter is set to), see :func:`causal_parts`.
         texts: token id sequences; each is scored from its second token on.
         window: tokens per forward pass (context + scored).
         stride: tokens between window starts (``stride == window``: non-overlapping chunks).

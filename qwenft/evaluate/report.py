@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config
+from qwenft.evaluate.flips import find_flips, flip_counts, flip_lines, write_flips
+from qwenft.evaluate.verdict import benchmark_lines, judge, verdict_lines
+from qwenft.evaluate.verdict import log_wandb as log_verdict
 from qwenft.files import atomic_write_text, publish_mode, temp_path
 
 log = logging.getLogger(__name__)
@@ -132,21 +135,28 @@ def adapter_line(config: Config, adapter_dir: Path) -> str:
     return f"- LoRA: r={r}, lora_alpha={alpha}, targets={targets}{trained}"
 
 
-def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path]) -> str:
-    """report.md as text: model, tables per source, perplexity, plots and side-by-side samples.
+def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path],
+                  flips: Optional[Dict[str, Dict[str, Any]]] = None) -> str:
+    """report.md as text: the verdict first (:func:`qwenft.evaluate.verdict.verdict_lines`), model, tables per
+    source, benchmarks, perplexity, plots, the flips (:func:`qwenft.evaluate.flips.flip_lines`) and side-by-side
+    samples.
 
     The model line is what this evaluation ran; the adapter's LoRA settings and the base and quantization it was
     trained on are read from the adapter directory (:func:`adapter_line`).
     """
     ev = metrics["eval"]
     tuned = config.adapter or metrics.get("train")  # an adapter was evaluated (given, or trained by this run)
-    lines = [f"# qwenft report: {config.run_name}", "",
+    lines = [f"# qwenft report: {config.run_name}", "", *verdict_lines(config, ev),
              f"- model: `{config.model.name}` ({config.model.source}, quant={config.quant.method})"]
     if tuned:
         adapter_dir = Path(config.adapter).expanduser() if config.adapter else Path(config.out_dir) / "adapter"
         lines += [f"- adapter: `{config.adapter or adapter_dir}`", adapter_line(config, adapter_dir)]
     else:
         lines += ["- adapter: none (the base model alone)"]
+    if metrics.get("memory"):  # each phase's peak (qwenft.runtime.peak_memory)
+        from qwenft.runtime import describe_peaks
+
+        lines.append(describe_peaks(metrics["memory"]))
     lines += [f"- sampler for evaluation: preset `{config.eval.generate}`", ""]
     train = metrics.get("train")
     if train:
@@ -162,6 +172,7 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
         lines += metric_table(by_side) + [""]
     if "metrics" in plots:
         lines += [f"![metrics]({plots['metrics'].name})", ""]
+    lines += benchmark_lines(ev.get("benchmarks"))
     if ev["perplexity"]:
         lines += ["## Perplexity (lower is better; answers: supervised tokens only)", "",
                   "| text | tokens | base | tuned | tuned / base |", "|---|---|---|---|---|"]
@@ -170,6 +181,7 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
             lines.append(f"| {name} | {tokens} | {_fmt(by_side.get('base', {}).get('perplexity'))} | "
                          f"{_fmt(by_side.get('tuned', {}).get('perplexity'))} | {_fmt(by_side.get('ratio'))} |")
         lines.append("")
+    lines += flip_lines(flips)
     n = config.eval.samples_in_report
     if n:
         lines += ["## Samples", ""]
@@ -190,7 +202,9 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict[str, Any]:
-    """Write metrics.json (merged with training's), generations.jsonl, report.md and PNGs into ``out_dir``.
+    """Write metrics.json (merged with training's), generations.jsonl, benchmarks.jsonl, flips.jsonl, report.md and PNGs into
+    ``out_dir``. metrics.json's ``eval`` adds ``benchmarks`` (when run), the verdict (``gates``, ``passed``,
+    ``failed``, ``score``: :func:`qwenft.evaluate.verdict.judge`) and ``flips`` (counts; both sides only).
 
     Returns:
         The full metrics dict written to metrics.json.
@@ -200,15 +214,28 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
     metrics = json.loads(path.read_text()) if path.is_file() else {}
     metrics["eval"] = {"sources": report["sources"], "perplexity": report["perplexity"],
                        **({"engine": report["engine"]} if "engine" in report else {})}
+    metrics["memory"] = {**metrics.get("memory", {}), **report.get("memory", {})}  # each phase's peak: train, eval
+    if report.get("benchmarks"):
+        metrics["eval"]["benchmarks"] = report["benchmarks"]
+    metrics["eval"].update(judge(config, report))
+    both = any("tuned" in by for by in [*report["sources"].values(), *(report.get("benchmarks") or {}).values()])
+    flips = find_flips(config, report) if both else None
+    if flips is not None:
+        metrics["eval"]["flips"] = flip_counts(flips)
     atomic_write_text(path, json.dumps(metrics, indent=2, ensure_ascii=False))
+    write_flips(out_dir / "flips.jsonl", flips)
     lines = [json.dumps(row, ensure_ascii=False) for rows in report["rows"].values() for row in rows]
     atomic_write_text(out_dir / "generations.jsonl", "".join(line + "\n" for line in lines))
+    bench_rows = [{"benchmark": name, **row} for name, rows in (report.get("bench_rows") or {}).items() for row in rows]
+    if bench_rows:  # every benchmark question: id, question, reference, each side's answer and whether it was right
+        atomic_write_text(out_dir / "benchmarks.jsonl",
+                          "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in bench_rows))
     plots = {}
     if metrics.get("train") and _plot_loss(metrics["train"], out_dir / "loss_curve.png"):
         plots["loss"] = out_dir / "loss_curve.png"
     if _plot_metrics(report["sources"], config.eval.metrics, out_dir / "metrics.png"):
         plots["metrics"] = out_dir / "metrics.png"
-    atomic_write_text(out_dir / "report.md", render_report(config, metrics, report["rows"], plots))
+    atomic_write_text(out_dir / "report.md", render_report(config, metrics, report["rows"], plots, flips))
     _log_wandb(config, metrics, report)
     log.info("evaluation written to %s", out_dir / "report.md")
     return metrics
@@ -226,3 +253,4 @@ def _log_wandb(config: Config, metrics: Dict[str, Any], report: Dict[str, Any]) 
         for name in by_side.get("base", by_side.get("tuned", {})):
             table.add_data(source, name, *(by_side.get(s, {}).get(name) for s in SIDES))
     wandb.log({"eval/report": table})
+    log_verdict(wandb, metrics["eval"])

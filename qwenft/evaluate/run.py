@@ -136,7 +136,7 @@ def check_ppl_sources(config: Config) -> None:
             raise ConfigError(f"eval.ppl_sources[{i}]={source!r}: the file holds no text to score")
 
 
-def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict[str, Any]:
+def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchmarks=None) -> Dict[str, Any]:
     """Evaluate ``sides`` (``base`` then ``tuned``) of ``model`` on the bundle's held-out rows.
 
     The model is first made ready along the decode path chosen for its device and memory
@@ -166,6 +166,13 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
     engine = prepare_for_decoding(model, config, cache_len=cache_len, prompt_len=prompt_len)
     rows_per_batch, windows_per_batch = batch_sizes(config, engine.model, cache_len, prompt_len)
     sampler = Sampler(engine.model, tokenizer, engine.settings(settings))
+    runner = None
+    if benchmarks:
+        from qwenft.evaluate.bench_run import BenchRunner
+
+        runner = BenchRunner(benchmarks, tokenizer, sampler, batch_size=rows_per_batch,
+                             chat_template=config.eval.bench_chat_template,
+                             max_gen_tokens=config.eval.bench_max_gen_tokens, seed=config.eval.bench_seed)
     report: Dict[str, Any] = {"sources": {}, "perplexity": {}, "rows": {},
                               "engine": {"path": engine.path.reason, "batch_size": rows_per_batch,
                                          "ppl_batch_size": windows_per_batch,
@@ -180,7 +187,11 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str]) -> Dict
                     slot[side] = result
             for name, value in perplexities(side_model, tokenizer, config, bundle, windows_per_batch).items():
                 report["perplexity"].setdefault(name, {})[side] = value
+            if runner is not None:
+                runner.run_side(side, side_model)
         log.info("evaluated %s", side)
+    if runner is not None:
+        report["benchmarks"], report["bench_rows"] = runner.report()
     for name, by_side in report["sources"].items():
         if "base" in by_side and "tuned" in by_side:
             by_side["delta"] = {k: by_side["tuned"][k] - by_side["base"][k] for k in by_side["base"]
@@ -209,11 +220,15 @@ def _weights_dtype(model) -> str:
     return str(weight.dtype) if weight is not None else "unknown"
 
 
-def run_after_train(config: Config, model, tokenizer, bundle) -> Dict[str, Any]:
-    """Evaluate base (adapter off) and tuned (adapter on) and write metrics.json, generations.jsonl, report.md."""
+def run_after_train(config: Config, model, tokenizer, bundle, benchmarks=None) -> Dict[str, Any]:
+    """Evaluate base (adapter off) and tuned (adapter on) and write metrics.json, generations.jsonl, report.md;
+    the evaluation's peak memory (:func:`qwenft.runtime.peak_memory`) goes into metrics.json's ``memory.eval``."""
     from qwenft.evaluate.report import write_outputs
+    from qwenft.runtime import peak_memory
 
-    report = evaluate(model, tokenizer, config, bundle, ["base", "tuned"])
+    with peak_memory(str(next(model.parameters()).device)) as memory:
+        report = evaluate(model, tokenizer, config, bundle, ["base", "tuned"], benchmarks)
+    report["memory"] = {"eval": memory}
     return write_outputs(config, Path(config.out_dir), report)
 
 
@@ -226,6 +241,9 @@ def eval_command(config: Config) -> None:
 
     generate_preset(config)
     check_ppl_sources(config)
+    from qwenft.evaluate.bench_tasks import prepare as prepare_benchmarks
+
+    benchmarks = prepare_benchmarks(config)  # unknown names, missing files, bad rows: refused before any load
     config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
     # The data is read and checked with the tokenizer alone: bad data stops before the weights load.
     tokenizer = load_tokenizer(resolve_model_dir(config.model),
@@ -233,7 +251,14 @@ def eval_command(config: Config) -> None:
     bundle = data_lib.build(config, tokenizer) if config.data.sources else None
     model, tokenizer = load_for_inference(config, tokenizer=tokenizer)  # evaluate() decides
     sides = ["base", "tuned"] if config.adapter else ["base"]
-    report = evaluate(model, tokenizer, config, bundle, sides)
-    write_outputs(config, Path(config.out_dir), report)
+    from qwenft.runtime import peak_memory
+
+    with peak_memory(str(next(model.parameters()).device)) as memory:  # the same phase as after `train`
+        report = evaluate(model, tokenizer, config, bundle, sides, benchmarks)
+    report["memory"] = {"eval": memory}
+    metrics = write_outputs(config, Path(config.out_dir), report)
     print(f"report: {Path(config.out_dir) / 'report.md'}")
+    from qwenft.evaluate.verdict import enforce
+
+    enforce(config, metrics, Path(config.out_dir))  # GatesFailed (exit 3) with eval.fail_on_gate, all written
 

@@ -5,7 +5,8 @@ On CUDA the fastest exact path is taken when it fits (issue 18): the NF4 base is
 the tuned side folds its LoRA delta into those weights (:mod:`qwenft.model.fold`), and decode steps run from a
 static cache through ``torch.compile`` with CUDA graphs. When the 16-bit weights do not fit, NF4 + LoRA as loaded.
 On a CPU the 4-bit base is dequantized (bitsandbytes' per-forward dequantization dominates there) and nothing is
-compiled or folded unless asked for.
+compiled or folded unless asked for. On every device the weights are then in the compute dtype: the evaluation after
+``train`` (where QLoRA's preparation left fp32 weights) runs exactly the dtypes of a later ``qwenft eval``.
 
 Memory comes from the planner's byte formulas (:mod:`qwenft.plan.memory`) applied to the loaded model's
 architecture, against the free GPU memory (``torch.cuda.mem_get_info`` plus what torch's allocator holds unused).
@@ -20,13 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from qwenft.config import Config, QwenftError
+from qwenft.plan.evaluation import CPU_BATCH, MARGIN_BYTES  # the planner's numbers (their one home)
 
 log = logging.getLogger(__name__)
 
-MARGIN_BYTES = 1 << 30  # CUDA context, allocator rounding and fragmentation, cuBLAS workspaces: 1 GiB kept free
 MAX_AUTO_ROWS = 128  # generation rows per batch under eval.batch_size=auto (decode is bandwidth bound well past this)
-MAX_AUTO_WINDOWS = 16  # perplexity windows per batch under auto (each holds [window, vocab] logits)
-CPU_BATCH = 8  # eval.batch_size=auto on a CPU: the former default (decode there is compute bound)
+MAX_AUTO_WINDOWS = 16  # perplexity windows per batch under auto
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class DecodePath:
     Attributes:
         device: ``cuda`` or ``cpu`` (the device type the model is on).
         dequantize: replace the 4-bit layers by 16-bit copies once.
-        dtype: the dtype every floating weight is cast to (``bfloat16`` / ``float16``), or None to keep them.
+        dtype: the dtype the fp32 weights (and the dequantized ones) are cast to: ``quant.compute_dtype`` for a
+            4-bit base, else ``model.dtype``, ``auto`` resolved; the same on every device, after training or loaded.
         fold: fold the LoRA delta into the 16-bit weights for the tuned side.
         compile: static cache + ``torch.compile`` (CUDA graphs) of the decode step.
         reason: one line for the log: what was chosen and why.
@@ -111,11 +112,11 @@ def choose_path(config: Config, device: str, *, nf4: bool, adapter: bool, fold_b
         fold = bool(sixteen and not fold_blocker and (fold_wanted or cuda))
     from qwenft.runtime import native_bf16 as probe
 
-    dtype = None
-    if cuda and sixteen:
-        dtype = config.quant.compute_dtype if nf4 else config.model.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if (probe(device) if native_bf16 is None else native_bf16) else "float32"
+    # Every device, dequantized or not: the weights evaluation reads are the compute dtype's, whether the model was
+    # just trained (QLoRA's preparation left the non-4-bit weights and LoRA in fp32) or loaded by `qwenft eval`.
+    dtype = config.quant.compute_dtype if nf4 else config.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if (probe(device) if native_bf16 is None else native_bf16) else "float32"
     parts = [why, f"LoRA {'folded into the weights' if fold else 'as adapter'}" if adapter else None,
              f"decode {'compiled (static cache, CUDA graphs)' if compile_on else 'static cache' if config.generate.static_cache else 'dynamic cache'}"]
     return DecodePath(device=device, dequantize=dequantize and nf4, dtype=dtype, fold=fold, compile=compile_on,
@@ -149,13 +150,22 @@ def row_bytes(arch, cache_len: int, prompt_len: int) -> int:
 
 
 def window_bytes(arch, window: int) -> int:
-    """Bytes one perplexity window needs: its ``[window, vocab]`` logits in 16-bit and their fp32 copy."""
-    return window * arch.vocab_size * (2 + 4)
+    """Bytes one perplexity window needs in 16-bit: its no-grad forward through the model body
+    (:func:`qwenft.plan.evaluation.forward_bytes`) and the gathered hidden states of its scored positions. No
+    ``[window, vocab]`` logits: the vocabulary is projected a chunk at a time, one chunk per batch
+    (:func:`qwenft.plan.evaluation.chunk_logits_bytes`, in :func:`reserve_bytes`)."""
+    from qwenft.plan.evaluation import forward_bytes
+
+    return forward_bytes(arch, 1, window, 2) + window * arch.hidden_size * 2
 
 
 def reserve_bytes(arch, cache_len: int, prompt_len: int, window: int) -> int:
-    """Memory kept for decoding one row and scoring one perplexity window, plus :data:`MARGIN_BYTES`."""
-    return max(row_bytes(arch, cache_len, prompt_len), window_bytes(arch, window)) + MARGIN_BYTES
+    """Memory kept for decoding one row or scoring one perplexity window (with its chunk of logits), plus
+    :data:`MARGIN_BYTES`."""
+    from qwenft.plan.evaluation import chunk_logits_bytes
+
+    return max(row_bytes(arch, cache_len, prompt_len),
+               window_bytes(arch, window) + chunk_logits_bytes(arch, window, 2)) + MARGIN_BYTES
 
 
 def auto_batch_sizes(arch, free_bytes: Optional[int], cache_len: int, prompt_len: int, window: int):
@@ -233,8 +243,6 @@ def prepare_for_decoding(model, config: Config, *, cache_len: int, prompt_len: i
     Raises:
         QwenftError: see :func:`choose_path`.
     """
-    import torch
-
     from qwenft.model.fold import fold_blocker, unwrap
     from qwenft.model.load import dequantize_for_inference, has_4bit_layers
     from qwenft.runtime import torch_dtype
@@ -249,12 +257,12 @@ def prepare_for_decoding(model, config: Config, *, cache_len: int, prompt_len: i
                        reserve_bytes=reserve_bytes(arch, cache_len, prompt_len, config.eval.ppl_window))
     model.eval()
     dtype = torch_dtype(path.dtype, device) if path.dtype else None
+    if dtype is not None:  # after QLoRA training the non-4-bit weights and LoRA are fp32 (an untied lm_head may be
+        for param in model.parameters():  # 16-bit): inference reads them all in the dtype a later eval loads
+            if param.is_floating_point() and param.dtype != dtype and type(param).__name__ != "Params4bit":
+                param.data = param.data.to(dtype)  # before dequantizing: the fp32 copies are gone by then
     if path.dequantize:
         dequantize_for_inference(model, config.quant, device, enabled=True, dtype=dtype)
-    if dtype is not None:  # after QLoRA training the non-4-bit weights are fp32: inference reads them in 16-bit
-        for param in model.parameters():
-            if param.dtype == torch.float32:
-                param.data = param.data.to(dtype)
     model.config.use_cache = True  # training switched the cache off
     fold = None
     if path.fold:

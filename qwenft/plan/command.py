@@ -1,4 +1,5 @@
-"""``python -m qwenft plan``: parameters, weight bytes, LoRA size, training-step memory, KV cache and what fits.
+"""``python -m qwenft plan``: parameters, weight bytes, LoRA size, training-step memory, the evaluation's peak, KV
+cache and what fits.
 
 Everything comes from the model's config.json numbers (:mod:`qwenft.plan.arch`) and the formulas of
 :mod:`qwenft.plan.memory`; no weight is downloaded or loaded.
@@ -14,6 +15,7 @@ from typing import Any, Dict
 from qwenft.config import Config
 from qwenft.files import atomic_write_text
 from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
+from qwenft.plan.evaluation import evaluation_memory
 from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, training_weight_bytes, weight_bytes
 
 GIB = 1 << 30
@@ -59,8 +61,9 @@ def make_plan(config: Config) -> Dict[str, Any]:
     ``model.rope_scaling``, the scaling and the original context), ``warnings`` (e.g. ``data.max_seq_len``
     beyond the context without scaling), ``parameters`` (by component),
     ``weights`` (16-bit, as loaded, during training), ``lora``, ``training`` (the configured batch x seq with
-    and without gradient checkpointing), ``kv_cache``, ``inference`` and ``budget`` (fits, largest batch per
-    sequence length, longest sequence at the configured batch).
+    and without gradient checkpointing), ``evaluation`` (the evaluation's peak and its parts,
+    :func:`qwenft.plan.evaluation.evaluation_memory`), ``kv_cache``, ``inference`` and ``budget`` (fits, largest
+    batch per sequence length, longest sequence at the configured batch).
 
     Raises:
         QwenftError: the architecture cannot be read (see :func:`qwenft.plan.arch.resolve_architecture`).
@@ -117,6 +120,7 @@ def make_plan(config: Config) -> Dict[str, Any]:
                      "supervised_fraction": setup.supervised,
                      "seq_len": seq, "tokens": batch * seq,
                      "gradient_checkpointing": setup.gradient_checkpointing, **runs},
+        "evaluation": evaluation_memory(arch, config, setup.device, setup.compute_bytes, setup.model_bytes, budget),
         "kv_cache": {"bytes_per_token": kv_cache_bytes(arch, 1, infer_bytes), "dtype_bytes": infer_bytes,
                      "context_len": context, "bytes": kv_cache_bytes(arch, context, infer_bytes)},
         "inference": {"weights": loaded["total"], "kv_cache": kv_cache_bytes(arch, context, infer_bytes),
@@ -186,6 +190,12 @@ def render(plan: Dict[str, Any], console=None) -> None:
     console.print(table)
     if t["dist_strategy"] not in ("none", "ddp"):
         console.print(f"[yellow]note:[/yellow] {t['scope']}")
+    ev = plan["evaluation"]
+    console.print(f"Evaluation peak on {ev['device']}: {_size(ev['peak'])} = weights {_size(ev['weights'])}"
+                  f"{' (NF4 dequantized)' if ev['dequantized'] else ''} + LoRA {_size(ev['lora_weights'])}"
+                  f" + baseline {_size(ev['baseline'])} + the largest of generation {_size(ev['generation'])}, "
+                  f"perplexity {_size(ev['perplexity'])}, benchmarks {_size(ev['benchmarks'])} "
+                  f"(batch {ev['batch_size']}, chunked vocabulary projection)")
     kv, inf, b = plan["kv_cache"], plan["inference"], plan["budget"]
     console.print(f"KV cache: {kv['bytes_per_token']:,} B per token ({kv['dtype_bytes'] * 8}-bit); "
                   f"{_size(kv['bytes'])} for {kv['context_len']:,} tokens. Inference: weights "

@@ -225,13 +225,17 @@ def run(config: Config) -> Path:
     import qwenft.train.dist as dist
     from qwenft.kernels import apply_kernels, resolve_kernels
     from qwenft.model import attach_lora, load_model, load_tokenizer, resolve_model_dir
-    from qwenft.runtime import default_device
+    from qwenft.runtime import default_device, peak_memory
 
+    benchmarks = []
     if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
         from qwenft.evaluate.run import check_ppl_sources, generate_preset
 
+        from qwenft.evaluate.bench_tasks import prepare as prepare_benchmarks
+
         generate_preset(config)
         check_ppl_sources(config)
+        benchmarks = prepare_benchmarks(config)  # the questions, read and checked before any model loads
     dist.check_strategy(config, default_device().startswith("cuda"))  # the CLI checked already; library callers
     dist.init_process_group(config.dist)
     main = dist.is_main_process()
@@ -259,23 +263,25 @@ def run(config: Config) -> Path:
         _wandb_env(config)  # the Trainer's W&B callback starts a run on rank 0 only
 
     log.info("distributed: %s", dist.describe(config))
-    model, tokenizer = load_model(config, tokenizer=tokenizer)
-    apply_kernels(model, resolve_kernels(config.train.kernels, _on_cuda(model)))
-    set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
-    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
-                        keep_dtype=config.dist.quant_storage != "uint8")
-    trainer = make_trainer(config, model, tokenizer, bundle, checkpoint_dir)
-    log.info("training: %d examples, run directory %s", len(bundle.train), out_dir)
-    start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume_from)
-    seconds = time.perf_counter() - start
+    with peak_memory() as train_memory:  # the train phase: load, attach, train (metrics.json "memory")
+        model, tokenizer = load_model(config, tokenizer=tokenizer)
+        apply_kernels(model, resolve_kernels(config.train.kernels, _on_cuda(model)))
+        set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
+        model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
+                            keep_dtype=config.dist.quant_storage != "uint8")
+        trainer = make_trainer(config, model, tokenizer, bundle, checkpoint_dir)
+        log.info("training: %d examples, run directory %s", len(bundle.train), out_dir)
+        start = time.perf_counter()
+        trainer.train(resume_from_checkpoint=resume_from)
+        seconds = time.perf_counter() - start
     sharded = dist.shards_weights(config.dist)
     # every rank takes part in gathering sharded weights; with DDP (or one process) each already holds them all
     state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped) if sharded else None
     tokens = dist.sum_over_ranks(trainer.tokens_seen)
     if main:
         adapter_dir = save_adapter(model, tokenizer, config, out_dir, state_dict=state_dict)
-        metrics = {"train": train_metrics(trainer, seconds, tokens), "data": bundle.stats}
+        metrics = {"train": train_metrics(trainer, seconds, tokens), "data": bundle.stats,
+                   "memory": {"train": train_memory}}
         atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))
         log.info("adapter saved to %s", adapter_dir)
     dist.barrier()  # the adapter and metrics exist before any rank returns
@@ -285,20 +291,30 @@ def run(config: Config) -> Path:
     if config.eval.after_train and sharded:
         log.warning("eval.after_train is skipped with dist=%s (each rank holds part of the weights); evaluate in "
                     "one process: python -m qwenft eval adapter=%s", config.dist.name, out_dir / "adapter")
-    elif config.eval.after_train:
-        with trainer.accelerator.autocast():  # the precision training ran in (its lm_head may be 16-bit now)
-            _evaluate_after_train(config, model, tokenizer, bundle)
+    elif config.eval.after_train:  # no autocast: the weights are cast to the compute dtype, as `qwenft eval` runs
+        _evaluate_after_train(config, model, tokenizer, bundle, benchmarks)
     print(f"run directory: {out_dir}")
     return out_dir
 
 
-def _evaluate_after_train(config: Config, model, tokenizer, bundle) -> None:
+def _evaluate_after_train(config: Config, model, tokenizer, bundle, benchmarks) -> None:
     from qwenft.evaluate import run_after_train
 
-    run_after_train(config, model, tokenizer, bundle)
+    run_after_train(config, model, tokenizer, bundle, benchmarks)
     print(f"report: {Path(config.out_dir) / 'report.md'}")
 
 
 def main(config: Config) -> None:
-    """CLI entry of ``qwenft train``."""
-    run(config)
+    """CLI entry of ``qwenft train``.
+
+    Raises:
+        GatesFailed: a gate of the evaluation after training failed with ``eval.fail_on_gate=true``; raised on the
+            main process after everything is written (the CLI exits 3).
+    """
+    out_dir = run(config)
+    from qwenft.runtime import is_main_process
+
+    if config.eval.fail_on_gate and is_main_process():
+        from qwenft.evaluate.verdict import enforce
+
+        enforce(config, None, out_dir)

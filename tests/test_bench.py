@@ -1,0 +1,562 @@
+"""Benchmarks inside `eval` and the evaluation after `train` (issue 26).
+
+On tiny-random: lm-eval tasks over local files and the prompts they render (plain text unless
+eval.bench_chat_template=true), the seeded question selection, the prefix-cached log-likelihoods against a full
+forward, one model load for both sides with the benchmark in metrics.json / report.md, the paired bootstrap CI,
+and bad input refused with exit 2 before any model loads. Slow: 20 MMLU questions on the embedded 0.5B model
+through qwenft and through lm-eval's own HFLM give the same prediction for every question.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenft.evaluate import bench_tasks
+from qwenft.evaluate.bench_run import paired_ci
+from qwenft.evaluate.bench_score import MIN_PREFIX, full_forward_scores, score_pairs
+from qwenft.evaluate.bench_tasks import select
+from tests.conftest import ROOT, compose_config
+
+BENCH = ROOT / "data" / "bench"
+LETTERS = ["A", "B", "C", "D"]
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def csv_rows(path: Path) -> list:
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.reader(handle))
+
+
+def mmlu_block(row: list) -> str:
+    """lm-eval's MMLU doc_to_text: the question, four lettered choices, ``Answer:``."""
+    return f"{row[0].strip()}\nA. {row[1]}\nB. {row[2]}\nC. {row[3]}\nD. {row[4]}\nAnswer:"
+
+
+def mmlu_description(subject: str) -> str:
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny-random model in fp32 (eval mode) and its tokenizer (ChatML template)."""
+    from qwenft.model import load_model
+
+    config = compose_config("model=tiny-random", "quant=none", command="eval")
+    model, tokenizer = load_model(config, device="cpu")
+    return model.float().eval(), tokenizer
+
+
+def record_loglikelihood(monkeypatch) -> list:
+    """Record ``(task, doc_id, context, continuation)`` of every request lm-eval hands QwenftLM.loglikelihood."""
+    from qwenft.evaluate.bench_lm import QwenftLM
+
+    seen = []
+    original = QwenftLM.loglikelihood
+
+    def recording(self, requests, disable_tqdm=False):
+        seen.extend((r.task_name, r.doc_id, *r.args) for r in requests)
+        return original(self, requests, disable_tqdm)
+
+    monkeypatch.setattr(QwenftLM, "loglikelihood", recording)
+    return seen
+
+
+# ------------------------------------------------------------------------------ 1. local tasks and their prompts
+def test_prepare_loads_the_shipped_mmlu_and_gsm8k_as_lm_eval_tasks():
+    from lm_eval.api.task import ConfigurableTask
+
+    config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu, gsm8k]", command="eval")
+    mmlu, gsm8k = bench_tasks.prepare(config)
+    subjects = sorted(p.name[:-len("_test.csv")] for p in (BENCH / "mmlu" / "test").glob("*_test.csv"))
+    assert mmlu.name == "mmlu" and sorted(mmlu.tasks) == [f"mmlu_{s}" for s in subjects] and len(subjects) == 57
+    assert mmlu.source == str(BENCH / "mmlu") and (mmlu.metric, mmlu.filter, mmlu.shots) == ("acc", "none", 5)
+    assert all(isinstance(t, ConfigurableTask) and t.OUTPUT_TYPE == "multiple_choice" for t in mmlu.tasks.values())
+    # no limit: every row of every test CSV is asked
+    assert {t: len(ids) for t, ids in mmlu.samples.items()} == {
+        f"mmlu_{s}": len(csv_rows(BENCH / "mmlu" / "test" / f"{s}_test.csv")) for s in subjects}
+    assert gsm8k.name == "gsm8k" and list(gsm8k.tasks) == ["gsm8k"]
+    assert (gsm8k.metric, gsm8k.filter) == ("exact_match", "strict-match")
+    test = [json.loads(line) for line in (BENCH / "gsm8k" / "test.jsonl").read_text().splitlines() if line.strip()]
+    train = [json.loads(line) for line in (BENCH / "gsm8k" / "train.jsonl").read_text().splitlines() if line.strip()]
+    assert gsm8k.questions == len(test) and gsm8k.tasks["gsm8k"].OUTPUT_TYPE == "generate_until"
+    # GSM8K's prompt: the first five train rows as worked shots (first_n), then the question
+    task = gsm8k.tasks["gsm8k"]
+    task.build_all_requests(samples=[0])
+    context, generation = task.instances[0].args
+    shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in train[:5])
+    assert context == shots + f"Question: {test[0]['question']}\nAnswer:"
+    assert "Question:" in generation["until"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, chat, monkeypatch):
+    """README: "benchmark prompts are plain text as lm-eval renders them (no chat template) unless
+    eval.bench_chat_template=true". The contexts are the ones lm-eval hands QwenftLM on the run's code path
+    (BenchRunner.run_side), checked character for character against the subject's CSVs."""
+    from qwenft.evaluate.bench_run import BenchRunner
+    from qwenft.generation import Sampler
+
+    model, tokenizer = tiny
+    assert "<|im_start|>" in tokenizer.chat_template  # ChatML, as Qwen2.5
+    config = compose_config("model=tiny-random", "quant=none", "eval.benchmarks=[mmlu]", "eval.bench_limit=2",
+                            f"eval.bench_chat_template={str(chat).lower()}", command="eval")
+    benchmarks = bench_tasks.prepare(config)
+    seen = record_loglikelihood(monkeypatch)
+    runner = BenchRunner(benchmarks, tokenizer, Sampler(model, tokenizer), batch_size=8,
+                         chat_template=config.eval.bench_chat_template)
+    runner.run_side("base", model)
+    samples = benchmarks[0].samples
+    assert sum(map(len, samples.values())) == 2 and len(seen) == 8
+    for task, position, context, continuation in seen:
+        doc_id = samples[task][position]  # lm-eval numbers the asked docs of a task 0, 1, ...
+        subject = task[len("mmlu_"):]
+        shots = csv_rows(BENCH / "mmlu" / "dev" / f"{subject}_dev.csv")
+        question = csv_rows(BENCH / "mmlu" / "test" / f"{subject}_test.csv")[doc_id]
+        assert len(shots) == 5
+        if not chat:
+            assert "<|im_start|>" not in context and "<|im_end|>" not in context
+            assert context == (mmlu_description(subject) + "".join(f"{mmlu_block(s)} {s[5]}\n\n" for s in shots)
+                               + mmlu_block(question))
+            assert continuation in (" A", " B", " C", " D")
+        else:  # the description as the system turn, each shot a user / assistant pair, then the question
+            turns = "".join(f"<|im_start|>user\n{mmlu_block(s)}<|im_end|>\n<|im_start|>assistant\n{s[5]}<|im_end|>\n"
+                            for s in shots)
+            assert context == (f"<|im_start|>system\n{mmlu_description(subject)}<|im_end|>\n" + turns
+                               + f"<|im_start|>user\n{mmlu_block(question)}<|im_end|>\n<|im_start|>assistant\n")
+            assert context.count("<|im_start|>user") == 6 and continuation in LETTERS
+    summary, rows = runner.report()
+    assert summary["mmlu"]["n"] == 2 and summary["mmlu"]["base"] in (0.0, 0.5, 1.0) and len(rows["mmlu"]) == 2
+    for row in rows["mmlu"]:  # a row's doc_id is the question's row in the test CSV
+        assert row["id"] == f"{row['task']}/{row['doc_id']}" and row["doc_id"] in samples[row["task"]]
+        question = csv_rows(BENCH / "mmlu" / "test" / f"{row['task'][len('mmlu_'):]}_test.csv")[row["doc_id"]]
+        assert row["question"] == mmlu_block(question) and row["reference"] == question[5]
+
+
+# ------------------------------------------------------------------------------------------- 2. select()
+COUNTS = {"mmlu_a": 20, "mmlu_b": 7, "mmlu_c": 1, "mmlu_d": 20, "mmlu_e": 12}
+
+
+def test_select_is_seeded():
+    first = select(COUNTS, 10, seed=0)
+    assert select(COUNTS, 10, seed=0) == first  # same seed, same questions (both sides, every run)
+    assert select(dict(reversed(COUNTS.items())), 10, seed=0) == first  # the dict order does not matter
+    assert select(COUNTS, 10, seed=1) != first
+    for picked in (first, select(COUNTS, 10, seed=1)):
+        assert sum(map(len, picked.values())) == 10
+        for task, ids in picked.items():
+            assert ids == sorted(set(ids)) and all(0 <= i < COUNTS[task] for i in ids)
+
+
+def test_select_spreads_round_robin_across_subtasks():
+    for seed in range(5):
+        few = select(COUNTS, 3, seed)  # fewer questions than subtasks: one question each from 3 subtasks
+        assert len(few) == 3 and all(len(ids) == 1 for ids in few.values())
+        spread = select(COUNTS, 12, seed)  # 12 over 5 subtasks, one of them with 1 question: 1 + 3 + 3 + 3 + 2
+        sizes = {t: len(ids) for t, ids in spread.items()}
+        assert sizes["mmlu_c"] == 1 and sum(sizes.values()) == 12 and set(sizes) == set(COUNTS)
+        assert max(sizes.values()) - min(s for t, s in sizes.items() if t != "mmlu_c") <= 1
+    assert select(COUNTS, None, 0) == {t: list(range(n)) for t, n in COUNTS.items()}  # no limit: all
+    assert select(COUNTS, 1000, 0) == select(COUNTS, None, 0)  # more than there are: all
+
+
+def test_bench_limit_selects_the_same_questions_for_the_same_seed():
+    def samples(*extra):
+        config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", *extra, command="eval")
+        return bench_tasks.prepare(config)[0].samples
+
+    first = samples("eval.bench_limit=5")
+    assert sum(map(len, first.values())) == 5 and all(len(ids) == 1 for ids in first.values())
+    assert samples("eval.bench_limit=5") == first
+    assert samples("eval.bench_limit=5", "eval.bench_seed=1") != first
+
+
+# ----------------------------------------------------------------- 3. prefix-cached scores == the full forward
+def scoring_pairs(model, seed: int = 0):
+    """Three "subjects" of 120 shared shot tokens, four questions each with single-token choices, the greedy
+    token, a greedy 2-token and a random 3-token continuation; plus short pairs sharing nothing and a duplicate.
+
+    Returns (pairs, subjects, distinct inputs in subjects, distinct inputs outside them)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(20, 400, (n,), generator=generator).tolist()
+
+    def greedy(ids):
+        with torch.inference_mode():
+            return int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+
+    pairs, grouped, single = [], set(), set()
+    for subject in range(3):
+        shots = [400 + subject] + tokens(119)  # distinct first tokens: the subjects share no prefix
+        for _ in range(4):
+            context = shots + tokens(int(torch.randint(3, 30, (1,), generator=generator)))
+            first = greedy(context)
+            for continuation in ([5], [6], [7], [8], [first], [first, greedy(context + [first])], tokens(3)):
+                pairs.append((context, continuation))
+                grouped.add(tuple((context + continuation)[:-1]))
+    for length in (4, 9, 17, 25, 31):
+        context = tokens(length)
+        for continuation in ([5], [6], tokens(2)):
+            pairs.append((context, continuation))
+            single.add(tuple((context + continuation)[:-1]))
+    pairs.append(pairs[3])  # the same request twice
+    return pairs, 3, len(grouped), len(single)
+
+
+def test_score_pairs_equals_the_full_forward_and_caches_each_shared_prefix(tiny):
+    """fp32: the cached prefix's keys / values are the same numbers a full pass computes; only the summation
+    order differs (attention split over cache + suffix, right padding, the chunked vocabulary projection), which
+    moves a log-probability by ~1e-6 here. 1e-4 on sums of at most 3 tokens leaves a wide margin and still fails
+    on any real error (a wrong position or a missing prefix shifts log-probabilities by > 0.01)."""
+    model, _ = tiny
+    pairs, subjects, grouped, single = scoring_pairs(model)
+    reference = full_forward_scores(model, pairs)
+    calls = []
+
+    def count(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        kind = "suffix" if kwargs.get("cache") is not None else "prefill" if kwargs.get("use_cache") else "whole"
+        calls.append((kind, ids.shape[0], ids.shape[1]))
+
+    hook = model.model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        scored = score_pairs(model, pairs, batch_size=3, max_length=2048)
+    finally:
+        hook.remove()
+    diff = max(abs(a[0] - b[0]) for a, b in zip(scored, reference))
+    assert diff < 1e-4, diff
+    assert [g for _, g in scored] == [g for _, g in reference]
+    assert {g for _, g in reference} == {True, False}  # both flags are exercised
+    # one prefill per subject, over (at least) its 120 shot tokens; every suffix batch runs on a copy of that
+    # cache without the shots; the four single-token choices and the greedy token share one row
+    prefills = [c for c in calls if c[0] == "prefill"]
+    suffixes = [c for c in calls if c[0] == "suffix"]
+    wholes = [c for c in calls if c[0] == "whole"]
+    assert len(prefills) == subjects and all(rows == 1 and width >= 120 for _, rows, width in prefills)
+    assert sum(rows for _, rows, _ in suffixes) == grouped == subjects * 4 * 3
+    assert all(rows <= 3 and width < 120 for _, rows, width in suffixes)
+    assert len(suffixes) == subjects * math.ceil(4 * 3 / 3)  # batch_size 3 < a group's 12 rows: 4 batches each
+    assert sum(rows for _, rows, _ in wholes) == single and all(width <= MIN_PREFIX for _, _, width in wholes)
+
+
+def test_score_pairs_other_batch_sizes_no_grouping_and_truncation(tiny):
+    model, _ = tiny
+    pairs = scoring_pairs(model, seed=1)[0]
+    reference = full_forward_scores(model, pairs)
+    for kwargs in ({"batch_size": 1}, {"batch_size": 64}, {"batch_size": 4, "min_prefix": 10_000}):
+        scored = score_pairs(model, pairs, max_length=2048, **kwargs)
+        assert max(abs(a[0] - b[0]) for a, b in zip(scored, reference)) < 1e-4, kwargs
+        assert [g for _, g in scored] == [g for _, g in reference], kwargs
+    # inputs longer than max_length keep their last max_length tokens, as lm-eval's HFLM does
+    short = full_forward_scores(model, pairs, max_length=64)
+    scored = score_pairs(model, pairs, batch_size=5, max_length=64)
+    assert max(abs(a[0] - b[0]) for a, b in zip(scored, short)) < 1e-4
+    assert max(abs(a[0] - b[0]) for a, b in zip(short, reference)) > 1e-3  # the truncation did change something
+    with pytest.raises(ValueError, match="empty continuation"):
+        score_pairs(model, [([1, 2], [])], batch_size=1, max_length=64)
+
+
+# ------------------------------------------------------------------------------------------- 5. paired_ci
+def test_paired_ci_constant_difference_is_a_point():
+    assert paired_ci([0.0] * 7, [1.0] * 7) == (1.0, 1.0)
+    assert paired_ci([1, 0, 1, 0, 1], [1, 0, 1, 0, 1]) == (0.0, 0.0)
+    assert paired_ci([1.0] * 4, [0.0] * 4) == (-1.0, -1.0)
+
+
+def test_paired_ci_hand_checked_case():
+    """10 questions, tuned right on 5 more (wrong -> right on 5, no right -> wrong): delta 0.5. The resampled
+    mean is k/10 with k ~ Binomial(10, 0.5): its 2.5th / 97.5th percentiles are 0.2 and 0.8."""
+    base = [0.0] * 10
+    tuned = [1.0] * 5 + [0.0] * 5
+    low, high = paired_ci(base, tuned, seed=0)
+    assert -1.0 <= low < 0.5 < high <= 1.0
+    assert low == pytest.approx(0.2) and high == pytest.approx(0.8)
+    assert paired_ci(base, tuned, seed=0) == (low, high)  # deterministic with the seed
+    assert paired_ci(list(reversed(base)), list(reversed(tuned)), seed=0) == pytest.approx((low, high), abs=0.11)
+    # mixed flips: 6 wrong -> right, 2 right -> wrong of 20: delta 0.2, an interval around it, wider than 0
+    base = [0.0] * 6 + [1.0] * 2 + [1.0] * 6 + [0.0] * 6
+    tuned = [1.0] * 6 + [0.0] * 2 + [1.0] * 6 + [0.0] * 6
+    low, high = paired_ci(base, tuned, seed=3)
+    assert -1.0 <= low <= 0.2 <= high <= 1.0 and high - low > 0.1
+
+
+def test_paired_ci_rejects_unequal_or_empty_lists():
+    with pytest.raises(ValueError, match="equal"):
+        paired_ci([1.0, 0.0], [1.0])
+    with pytest.raises(ValueError):
+        paired_ci([], [])
+
+
+# ------------------------------------------------------------------------- 4. one model load, both sides
+COUNT_LOADS = """
+import atexit, json
+import qwenft.model, qwenft.model.load, qwenft.model.inference
+from transformers import AutoModelForCausalLM
+_calls = {"load_model": 0, "from_pretrained": 0}
+_load, _from = qwenft.model.load.load_model, AutoModelForCausalLM.from_pretrained
+def _counted_load(*a, **k):
+    _calls["load_model"] += 1
+    return _load(*a, **k)
+def _counted_from(*a, **k):
+    _calls["from_pretrained"] += 1
+    return _from(*a, **k)
+qwenft.model.load_model = qwenft.model.load.load_model = qwenft.model.inference.load_model = _counted_load
+AutoModelForCausalLM.from_pretrained = _counted_from
+atexit.register(lambda: print("MODEL LOADS " + json.dumps(_calls), file=sys.stderr))
+"""
+
+
+def count_loads(monkeypatch) -> dict:
+    """Count, in this process, the model loads (qwenft's load_model and transformers' from_pretrained)."""
+    import qwenft.model
+    import qwenft.model.inference
+    import qwenft.model.load
+    from transformers import AutoModelForCausalLM
+
+    calls = {"load_model": 0, "from_pretrained": 0}
+    load, from_pretrained = qwenft.model.load.load_model, AutoModelForCausalLM.from_pretrained
+
+    def counted_load(*args, **kwargs):
+        calls["load_model"] += 1
+        return load(*args, **kwargs)
+
+    def counted_from(*args, **kwargs):
+        calls["from_pretrained"] += 1
+        return from_pretrained(*args, **kwargs)
+
+    for module in (qwenft.model, qwenft.model.load, qwenft.model.inference):
+        monkeypatch.setattr(module, "load_model", counted_load)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counted_from)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """A 1-step tiny-random `train` whose evaluation asks 3 MMLU questions (the shipped subset) on both sides."""
+    from tests.test_train import run_cli, train_overrides
+
+    tmp = tmp_path_factory.mktemp("bench")
+    run_dir = tmp / "run"
+    args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
+    started = time.perf_counter()
+    result = run_cli([*args, "train.max_steps=1", "eval.max_new_tokens=4", "eval.batch_size=4",
+                      "eval.benchmarks=[mmlu]", "eval.bench_limit=3"], patch=COUNT_LOADS)
+    return tmp, run_dir, result, time.perf_counter() - started
+
+
+def test_train_then_benchmark_with_one_model_load(bench_run):
+    _, run_dir, result, _ = bench_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    loads = json.loads(result.stderr.split("MODEL LOADS ")[-1].splitlines()[0])
+    assert loads == {"load_model": 1, "from_pretrained": 1}  # train and both evaluated sides on one load
+    mmlu = json.loads((run_dir / "metrics.json").read_text())["eval"]["benchmarks"]["mmlu"]
+    assert mmlu["n"] == 3 and mmlu["subtasks"] == 3 and mmlu["metric"] == "acc" and mmlu["shots"] == 5
+    for side in ("base", "tuned"):
+        assert mmlu[side] in (0.0, 1 / 3, 2 / 3, 1.0)
+    assert mmlu["delta"] == pytest.approx(mmlu["tuned"] - mmlu["base"])
+    low, high = mmlu["ci95"]
+    assert low <= mmlu["delta"] <= high and -1.0 <= low and high <= 1.0
+    assert "paired bootstrap" in mmlu["ci_method"]
+    report = (run_dir / "report.md").read_text()
+    table = report.split("## Benchmarks\n\n", 1)[1]
+    assert table.startswith("| benchmark | metric | n | base | tuned | delta | 95% CI |")
+    assert "| mmlu | acc | 3 | " in table.split("\n\n")[0]
+    rows = [json.loads(line) for line in (run_dir / "benchmarks.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["benchmark"] == "mmlu" and {"base", "tuned"} <= set(r) for r in rows)
+    assert sum(r["base"]["correct"] for r in rows) == round(3 * mmlu["base"])
+
+
+# --------------------------------------------------------------------------------- 6. bad input, user tasks
+def run_in_process(args, capsys, monkeypatch) -> tuple:
+    """``python -m qwenft ARGS`` in this process: (exit code, stderr lines, model loads)."""
+    from qwenft.cli import main
+
+    loads = count_loads(monkeypatch)
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines(), loads
+
+
+def assert_refused(code, err, loads, out_dir: Path, *names: str) -> None:
+    assert code == 2, err[-20:]
+    errors = [line for line in err if line.startswith("qwenft: error: ")]
+    assert len(errors) == 1 and err[-1] == errors[0], err[-20:]
+    assert not any("Traceback" in line for line in err)
+    for name in names:
+        assert name in errors[0], (name, errors[0])
+    assert loads == {"load_model": 0, "from_pretrained": 0}
+    assert not out_dir.exists()
+
+
+def mmlu_dir(tmp_path: Path, subject: str, test_rows: list) -> Path:
+    root = tmp_path / "bench"
+    for split, rows in (("dev", [[f"shot {i}?", "a", "b", "c", "d", "ABCDA"[i]] for i in range(5)]),
+                        ("test", test_rows)):
+        (root / "mmlu" / split).mkdir(parents=True, exist_ok=True)
+        with open(root / "mmlu" / split / f"{subject}_{split}.csv", "w", newline="", encoding="utf-8") as handle:
+            csv.writer(handle).writerows(rows)
+    return root
+
+
+def test_bad_data_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    base = ["model=tiny-random", "quant=none", "data.sources=[]"]
+    out = tmp_path / "run"
+    refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", "eval.bench_data=[/nonexistent]",
+                              f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "eval.benchmarks: mmlu", "/nonexistent/mmlu")
+    # a test row with 5 fields: the file, the row and the missing field
+    bench = mmlu_dir(tmp_path, "anatomy", [["q1?", "a", "b", "c", "d", "A"], ["q2?", "a", "b", "c", "d"]])
+    refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", f"eval.bench_data=[{bench}]",
+                              f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, str(bench / "mmlu" / "test" / "anatomy_test.csv"), "row 2", "field 'answer'")
+    # an answer that is not a letter
+    bench = mmlu_dir(tmp_path / "letter", "anatomy", [["q1?", "a", "b", "c", "d", "E"]])
+    refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", f"eval.bench_data=[{bench}]",
+                              f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "anatomy_test.csv", "row 1", "field 'answer'", "'E'")
+    # a file named after no MMLU subject lm-eval defines
+    bench = mmlu_dir(tmp_path / "subject", "x", [["q1?", "a", "b", "c", "d", "A"]])
+    refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", f"eval.bench_data=[{bench}]",
+                              f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "x_test.csv", "'x' is not a subject")
+    # `train` refuses the same way, before its run directory is written
+    from tests.test_train import train_overrides
+
+    args = [a for a in train_overrides(tmp_path, out) if not a.startswith("eval.after_train")]
+    refused = run_in_process(["train", *args, "eval.after_train=true",
+                              "eval.benchmarks=[gsm8k]", "eval.bench_data=[/nonexistent]"], capsys, monkeypatch)
+    assert_refused(*refused, out, "eval.benchmarks: gsm8k", "/nonexistent/gsm8k")
+
+
+def test_unknown_benchmark_name_is_refused(tmp_path, capsys, monkeypatch):
+    """lm-eval's TaskManager indexes its whole registry to know a name is not there (~15-20 s on 2 busy cores)."""
+    out = tmp_path / "run"
+    refused = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]",
+                              "eval.benchmarks=[nosuchbench]", f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "unknown benchmark 'nosuchbench'")
+
+
+MY_TASK = """task: mytask
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {output_type}
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def task_dir(tmp_path: Path, output_type: str) -> Path:
+    folder = tmp_path / f"tasks-{output_type}"
+    folder.mkdir()
+    data = folder / "mytask.jsonl"
+    rows = [{"question": f"What colour is thing {i}?", "choices": ["red", "blue", "green"], "answer": i % 3}
+            for i in range(4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (folder / "mytask.yaml").write_text(MY_TASK.format(data=data, output_type=output_type), encoding="utf-8")
+    return folder
+
+
+def test_a_task_yaml_lm_eval_rejects_is_named(tmp_path, capsys, monkeypatch):
+    folder = task_dir(tmp_path, "nonsense")
+    out = tmp_path / "run"
+    refused = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]",
+                              "eval.benchmarks=[mytask]", f"eval.bench_tasks={folder}", f"out_dir={out}"],
+                             capsys, monkeypatch)
+    assert_refused(*refused, out, "mytask", str(folder / "mytask.yaml"), "output_type")
+
+
+def test_a_users_task_directory_runs_base_and_tuned(bench_run, tmp_path, capsys, monkeypatch):
+    """A user's own lm-eval task (multiple choice over a local JSON file), with the adapter trained above: both
+    sides on one model load, into metrics.json and report.md."""
+    _, run_dir, result, _ = bench_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = task_dir(tmp_path, "multiple_choice")
+    out = tmp_path / "eval"
+    code, err, loads = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]",
+                                       f"adapter={run_dir / 'adapter'}", "eval.benchmarks=[mytask]",
+                                       f"eval.bench_tasks={folder}", f"out_dir={out}"], capsys, monkeypatch)
+    assert code == 0, err[-20:]
+    assert loads == {"load_model": 1, "from_pretrained": 1}
+    mine = json.loads((out / "metrics.json").read_text())["eval"]["benchmarks"]["mytask"]
+    assert mine["n"] == 4 and mine["metric"] == "acc" and mine["source"] == str(folder)
+    assert mine["base"] in (0.0, 0.25, 0.5, 0.75, 1.0) and mine["delta"] == pytest.approx(mine["tuned"] - mine["base"])
+    assert mine["ci95"][0] <= mine["delta"] <= mine["ci95"][1]
+    assert "| mytask | acc | 4 | " in (out / "report.md").read_text()
+
+
+# --------------------------------------------------------------------- 7. slow: qwenft vs lm-eval's HFLM
+# The two MMLU subjects with the shortest 5-shot prompts in ../shared/data/bench: 10 questions each. Fewer shots
+# would not be MMLU; fewer subjects share their shots across more questions (qwenft's prefix cache), and short
+# prompts keep HFLM (every context run whole) within the time of a slow test.
+SLOW_SUBJECTS = ("world_religions", "abstract_algebra")
+
+
+@pytest.mark.slow
+def test_same_mmlu_predictions_as_lm_eval_hflm(embedded_dir, shared_data, tmp_path):
+    """20 questions, the same fp32 model object through QwenftLM and through HFLM: the same letter (argmax of
+    the four log-likelihoods) for every question, and log-likelihoods within 1e-3 nats. Both run the same
+    fp32 arithmetic; qwenft's differs only in summation order (a cached prefix, right padding, the chunked
+    projection), measured at ~4e-5 on the embedded model, so 1e-3 is a 25x margin that a real error (a shifted
+    position, a missing shot) exceeds by orders of magnitude."""
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM
+
+    from qwenft.evaluate.bench_lm import QwenftLM
+    from qwenft.generation import Sampler
+    from qwenft.model import load_tokenizer
+
+    bench = tmp_path / "bench"
+    for split in ("dev", "test"):
+        (bench / "mmlu" / split).mkdir(parents=True)
+        for subject in SLOW_SUBJECTS:
+            (bench / "mmlu" / split / f"{subject}_{split}.csv").symlink_to(
+                shared_data / "bench" / "mmlu" / split / f"{subject}_{split}.csv")
+    config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", "eval.bench_limit=20",
+                            f"eval.bench_data=[{bench}]", command="eval")
+    (questions,) = bench_tasks.prepare(config)
+    assert questions.questions == 20 and {len(ids) for ids in questions.samples.values()} == {10}
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(str(embedded_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32).eval()
+
+    def answers(lm):
+        started = time.perf_counter()
+        out = evaluate(lm, {"tasks": questions.tasks, "groups": {}}, samples=questions.samples, log_samples=True,
+                       bootstrap_iters=0, verbosity="WARNING")
+        by_question = {}
+        for task, logged in out["samples"].items():
+            for sample in logged:
+                lls = [r[0][0] if isinstance(r[0], tuple) else r[0] for r in sample["resps"]]
+                by_question[(task, sample["doc_id"])] = lls
+        return by_question, time.perf_counter() - started
+
+    ours, ours_s = answers(QwenftLM(model, tokenizer, Sampler(model, tokenizer), batch_size=8))
+    theirs, theirs_s = answers(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8))
+    assert set(ours) == set(theirs) and len(ours) == 20
+    same = sum(max(range(4), key=ours[q].__getitem__) == max(range(4), key=theirs[q].__getitem__) for q in ours)
+    worst = max(abs(a - b) for q in ours for a, b in zip(ours[q], theirs[q]))
+    print(f"qwenft {ours_s:.1f} s, HFLM {theirs_s:.1f} s, same prediction {same}/20, max |dLL| {worst:.2e}")
+    assert same == 20
+    assert worst < 1e-3
