@@ -21,7 +21,11 @@ arm (questions / summed seconds), the ratio qwenft / HFLM (target >= 3), the sam
 many questions get the same prediction (the arg-max choice) from both arms, the largest |log-likelihood difference|
 over every choice, and for each question whose prediction differs the margin by which each arm preferred its choice
 (``margin_hflm = ll_hflm[hflm's choice] - ll_hflm[qwenft's choice]`` and the same for qwenft; the question's margin
-is the larger of the two: how far from a tie it is in either arm), with the smallest and largest such margin. In float32 the predictions should all agree (only summation order separates the arms: cached prefix vs
+is the larger of the two: how far from a tie it is in either arm), with the smallest and largest such margin.
+Beside the times, the tokens each arm ran through the decoder body (a forward pre-hook; padding included): their
+ratio is the work qwenft's plan saves, so ``ratio / token ratio`` is what a token costs HFLM relative to qwenft.
+
+In float32 the predictions should all agree (only summation order separates the arms: cached prefix vs
 one pass); the script exits with status 1, after saving the JSON, when a float32 log-likelihood differs by more than
 1e-3 or a float32 prediction differs by more than a 1e-3 margin. In bfloat16 HFLM's log-softmax runs in bfloat16
 (its default, ``softmax_dtype=None``: ~3 significant digits) while qwenft's runs in fp32, so near ties may flip.
@@ -50,7 +54,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -274,7 +278,8 @@ def main() -> int:
     save_json("bench_eval_quick" if args.quick else "bench_eval", {
         "benchmark": "bench_eval", "environment": environment(),
         "settings": {"model": config.model.name, "model_dir": model_dir, "data": str(data / "mmlu"),
-                     "subjects": sorted(samples), "per_subject": per_subject, "questions": dict(sorted(samples.items())),
+                     "subjects": sorted(samples), "per_subject": per_subject,
+                     "questions": dict(sorted(samples.items())),
                      "seed": args.seed, "batch": args.batch, "shots": 5, "threads": torch.get_num_threads(),
                      "order": "ABBA by subject (qwenft first on even subjects, HFLM first on odd)",
                      "hflm": f"HFLM(pretrained=model, tokenizer=tokenizer, batch_size={args.batch}), defaults",

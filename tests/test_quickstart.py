@@ -42,12 +42,16 @@ def check_run_dir(run_dir: Path, sources: set, steps: int) -> dict:
 def test_quickstart_shrunk_writes_the_whole_run_directory(tmp_path, embedded_dir):
     run_dir = tmp_path / "quickstart"
     result = run_cli(["+recipe=quickstart", f"out_dir={run_dir}", "train.max_steps=2", "train.save_steps=1",
-                      "eval.max_eval_prompts=2", "eval.max_new_tokens=6"], timeout=900)
+                      "eval.max_eval_prompts=2", "eval.max_new_tokens=6", "eval.bench_limit=4",
+                      "eval.bench_subtasks=2"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"report: {run_dir / 'report.md'}" in result.stdout
     metrics = check_run_dir(run_dir, {"domain", "general"}, steps=2)
     assert "contains_fact" in metrics["eval"]["sources"]["domain"]["base"]
     assert {"answers:domain", "answers:general"} <= set(metrics["eval"]["perplexity"])
+    mmlu = metrics["eval"]["benchmarks"]["mmlu"]  # the recipe's retention set, shrunk: same questions both sides
+    assert mmlu["n"] == 4 and {"base", "tuned", "delta", "ci95"} <= set(mmlu)
+    assert "## Verdict" in (run_dir / "report.md").read_text(encoding="utf-8")
     # save_total_limit keeps the newest checkpoints, each complete (no staging directory left behind)
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert "checkpoint-2" in checkpoints and not any(".tmp" in name or "staging" in name for name in checkpoints)
@@ -64,7 +68,8 @@ def test_domain_recipe_on_real_files(tmp_path, embedded_dir, shared_data, source
                       f"data.sources.0.path={shared_data / path}", f"data.sources.0.columns={columns}",
                       "data.sources.0.max_rows=12", "data.sources.0.eval_rows=2", "data.sources.1.eval_rows=1",
                       "data.max_seq_len=192", "train.max_steps=1", "train.batch_size=1", "train.grad_accum=1",
-                      "train.gradient_checkpointing=false", "eval.max_new_tokens=4", "eval.ppl_sources=[]"],
+                      "train.gradient_checkpointing=false", "eval.max_new_tokens=4", "eval.ppl_sources=[]",
+                      "eval.bench_limit=2", "eval.bench_subtasks=1"],
                      timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     check_run_dir(run_dir, {"domain", "general"}, steps=1)
