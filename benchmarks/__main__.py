@@ -19,8 +19,8 @@ plan_accuracy       planned / measured peak memory of a training step, per case 
 bench_eval          qwenft / lm-eval HFLM MMLU questions/s, per dtype             >= 3
 ==================  ============================================================  ======================
 
-bench_eval (4 MMLU subjects x 6 questions, float32 then bfloat16) was added after the timings above: 10.3 minutes
-at load average 4-6 (2026-12-01), roughly a third of that expected on idle cores.
+bench_eval (4 MMLU subjects x 6 questions, float32 then bfloat16) was added after the timings above and is not
+in them: alone it took 9.6 minutes at load average 5-7 (2026-12-01); not yet timed on idle cores.
 
     python -m benchmarks                  # the suite (benchmarks/results/*.json + suite.json), < 20 min
     python -m benchmarks --quick          # every script in its --quick mode (tiny models), results/quick/

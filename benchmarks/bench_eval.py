@@ -38,9 +38,11 @@ small MMLU subset (data/bench), 2 subjects x 2 questions, for the suite's quick 
     python benchmarks/bench_eval.py --dtypes float32 --subjects 4 --per-subject 12
     python benchmarks/bench_eval.py --quick            # tiny-random, seconds
 
-Cost on 2 cores: HFLM runs each question's ~500-900-token prompt whole (~7-15 s a question in float32 on 2 busy
-cores), qwenft ~3-5x faster; see benchmarks/results/bench_eval.json for a measured run (its ``seconds_total`` and
-load averages).
+Cost on 2 cores, measured at load average 5-7 (other jobs on the machine; 2026-12-01): the default run took 9.6
+minutes (float32: HFLM 248 s, qwenft 95 s; bfloat16: HFLM 133 s, qwenft 55 s; the rest loading and lm-eval's task
+set-up). The four subjects seed 0 picks have 286-474-token prompts, of which the shots are 243-414; at 6 questions a
+subject HFLM runs 3.2x the tokens qwenft does, which bounds the ratio at this size (at a whole subject, ~100-550
+questions, the shots are shared far more widely).
 
 Skips (exit status 0, a line starting with ``SKIPPED:``, no JSON) when ../shared/data/bench/mmlu is absent.
 Results: benchmarks/results/bench_eval.json (bench_eval_quick.json).

@@ -20,7 +20,7 @@ import torch
 
 from qwenft.evaluate import bench_tasks
 from qwenft.evaluate.bench_run import paired_ci
-from qwenft.evaluate.bench_score import MIN_PREFIX, full_forward_scores, score_pairs
+from qwenft.evaluate.bench_score import MAX_ROWS_FACTOR, MIN_PREFIX, full_forward_scores, score_pairs, suffix_rows
 from qwenft.evaluate.bench_tasks import select
 from tests.conftest import ROOT, compose_config
 
@@ -241,8 +241,18 @@ def test_score_pairs_equals_the_full_forward_and_caches_each_shared_prefix(tiny)
     wholes = [c for c in calls if c[0] == "whole"]
     assert len(prefills) == subjects and all(rows == 1 and width >= 120 for _, rows, width in prefills)
     assert sum(rows for _, rows, _ in suffixes) == grouped == subjects * 4 * 3
-    assert all(rows <= 3 and width < 120 for _, rows, width in suffixes)
-    assert len(suffixes) == subjects * math.ceil(4 * 3 / 3)  # batch_size 3 < a group's 12 rows: 4 batches each
+    assert all(width < 120 for _, _, width in suffixes)
+    # suffix batches hold as many tokens as batch_size whole rows would (suffix_rows), so more than 3 rows each here
+    groups = []  # each prefill, then the suffix batches that run on its cache
+    for kind, rows, w in calls:
+        if kind == "prefill":
+            groups.append((w, []))
+        elif kind == "suffix":
+            groups[-1][1].append((rows, w))
+    for prefix, batches in groups:
+        step = suffix_rows(3, prefix, prefix + max(w for _, w in batches))
+        assert 3 < step <= MAX_ROWS_FACTOR * 3 and all(rows <= step for rows, _ in batches)
+        assert len(batches) == math.ceil(4 * 3 / step)
     assert sum(rows for _, rows, _ in wholes) == single and all(width <= MIN_PREFIX for _, _, width in wholes)
 
 
