@@ -118,15 +118,34 @@ def _status_bytes(field: str) -> Optional[int]:
     return None
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Collect garbage and hand glibc's freed heap pages back to the kernel (``malloc_trim(0)``), so that a phase's
-    peak counts what is live, not what an earlier phase freed into the allocator; a no-op off glibc."""
+    peak counts what is live, not what an earlier phase (or a replaced weight) freed into the allocator; a no-op off
+    glibc."""
     import ctypes
     import gc
 
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+MMAP_THRESHOLD_BYTES = 1 << 20  # glibc serves allocations from this size on with their own mappings (mallopt)
+
+
+def return_freed_memory_promptly() -> bool:
+    """On glibc, serve every allocation of at least :data:`MMAP_THRESHOLD_BYTES` with its own mapping
+    (``mallopt(M_MMAP_THRESHOLD, ...)``, which also stops glibc from raising that threshold by itself), so that a
+    freed activation goes back to the system at once. By default glibc raises the threshold to the largest block
+    freed so far (up to 32 MiB), after which activations of a few MiB come from the heap and the heap's free pieces
+    stay resident: measured on an evaluation of the 0.5B model on a CPU, the resident set crept 0.4-1 GiB above what
+    the tensors held. Returns whether the setting was applied (False off glibc)."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD_BYTES))  # -3: M_MMAP_THRESHOLD (malloc.h)
+    except (OSError, AttributeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -136,7 +155,7 @@ def peak_memory(device: Optional[str] = None) -> Iterator[Dict[str, object]]:
     CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (tensors only: no CUDA context, no
     allocator cache). CPU: the process's peak resident set (RSS, every page it holds: libraries, Python objects and
     tensors): the kernel's high-water mark is reset to the current RSS by writing ``5`` to ``/proc/self/clear_refs``
-    (Linux ``Documentation/filesystems/proc.rst``) after freed memory was returned (:func:`_release_freed_memory`),
+    (Linux ``Documentation/filesystems/proc.rst``) after freed memory was returned (:func:`release_freed_memory`),
     and ``VmHWM`` of ``/proc/self/status`` is read at the end. Where that is not possible (not Linux, no
     permission), ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: the peak since the process started, with a note.
 
@@ -158,7 +177,7 @@ def peak_memory(device: Optional[str] = None) -> Iterator[Dict[str, object]]:
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
     else:
-        _release_freed_memory()
+        release_freed_memory()
         try:
             with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
                 refs.write("5")
@@ -191,6 +210,6 @@ def peak_memory(device: Optional[str] = None) -> Iterator[Dict[str, object]]:
 
 def describe_peaks(memory: Dict[str, Dict[str, object]]) -> str:
     """One line for report.md: each phase's peak (GiB, as :func:`peak_memory` measured it) and its seconds."""
-    parts = [f"{phase} {int(m['bytes']) / 2**30:.2f} GiB ({m['kind']}, {m['seconds']} s)"
+    parts = [f"{phase} {int(m['bytes']) / 2**30:.2f} GiB ({m['kind']}, {float(m['seconds']):.1f} s)"
              for phase, m in memory.items() if isinstance(m, dict) and "bytes" in m]
     return "- peak memory: " + ("; ".join(parts) if parts else "not measured")

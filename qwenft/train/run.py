@@ -225,7 +225,7 @@ def run(config: Config) -> Path:
     import qwenft.train.dist as dist
     from qwenft.kernels import apply_kernels, resolve_kernels
     from qwenft.model import attach_lora, load_model, load_tokenizer, resolve_model_dir
-    from qwenft.runtime import default_device, peak_memory
+    from qwenft.runtime import default_device, peak_memory, return_freed_memory_promptly
 
     benchmarks = []
     if config.eval.after_train:  # fail on a bad evaluation setting now, not after training
@@ -238,6 +238,8 @@ def run(config: Config) -> Path:
         benchmarks = prepare_benchmarks(config)  # the questions, read and checked before any model loads
     dist.check_strategy(config, default_device().startswith("cuda"))  # the CLI checked already; library callers
     dist.init_process_group(config.dist)
+    if not default_device().startswith("cuda"):  # freed activations leave the heap: training's do not stay behind
+        return_freed_memory_promptly()  # to be re-faulted by the evaluation after it (qwenft.runtime)
     main = dist.is_main_process()
     if not main:  # the other ranks log warnings only (the Trainer does the same for transformers' logs)
         logging.getLogger("qwenft").setLevel(logging.WARNING)
@@ -292,9 +294,23 @@ def run(config: Config) -> Path:
         log.warning("eval.after_train is skipped with dist=%s (each rank holds part of the weights); evaluate in "
                     "one process: python -m qwenft eval adapter=%s", config.dist.name, out_dir / "adapter")
     elif config.eval.after_train:  # no autocast: the weights are cast to the compute dtype, as `qwenft eval` runs
+        _release_training_state(trainer, model)
+        del trainer
         _evaluate_after_train(config, model, tokenizer, bundle, benchmarks)
     print(f"run directory: {out_dir}")
     return out_dir
+
+
+def _release_training_state(trainer, model) -> None:
+    """Drop what only training needs before the evaluation: the optimizer states, the scheduler and the LoRA
+    gradients (referenced by the Trainer, its callback handler and the Accelerator), so the evaluation after ``train``
+    holds what a later ``qwenft eval`` holds."""
+    model.zero_grad(set_to_none=True)
+    trainer.accelerator.free_memory()
+    trainer.optimizer = trainer.lr_scheduler = None
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is not None:
+        handler.optimizer = handler.lr_scheduler = None
 
 
 def _evaluate_after_train(config: Config, model, tokenizer, bundle, benchmarks) -> None:
