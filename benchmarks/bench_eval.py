@@ -34,15 +34,15 @@ Model: the embedded Qwen2.5-Coder-0.5B-Instruct, ``AutoModelForCausalLM.from_pre
 (float32 then bfloat16), eval mode. ``--quick`` (alias ``--tiny``): the tiny-random model over the project's own
 small MMLU subset (data/bench), 2 subjects x 2 questions, for the suite's quick mode and the test (seconds).
 
-    python benchmarks/bench_eval.py                    # 4 subjects x 6 questions, float32 + bfloat16, batch 8
+    python benchmarks/bench_eval.py                    # 4 subjects x 16 questions, float32 + bfloat16, batch 8
     python benchmarks/bench_eval.py --dtypes float32 --subjects 4 --per-subject 12
     python benchmarks/bench_eval.py --quick            # tiny-random, seconds
 
-Cost on 2 cores, measured at load average 5-7 (other jobs on the machine; 2026-12-01): the default run took 9.6
-minutes (float32: HFLM 248 s, qwenft 95 s; bfloat16: HFLM 133 s, qwenft 55 s; the rest loading and lm-eval's task
-set-up). The four subjects seed 0 picks have 286-474-token prompts, of which the shots are 243-414; at 6 questions a
-subject HFLM runs 3.2x the tokens qwenft does, which bounds the ratio at this size (at a whole subject, ~100-550
-questions, the shots are shared far more widely).
+Cost on 2 cores (2026-12-02, load average 0.5-2.8): the default run took 8.1 minutes (float32: HFLM 269 s, qwenft
+79 s, 3.43x; bfloat16: HFLM 100 s, qwenft 18.5 s, 5.43x; the rest loading and lm-eval's task set-up). The four
+subjects seed 0 picks have 286-474-token prompts, of which the shots are 243-414; at 16 questions a subject HFLM runs
+4.1x the tokens qwenft does (at 6 a subject 3.2x, and the ratio measured 2.6x / 2.4x on 2026-12-01 at load 5-7; at a
+whole subject, ~100-550 questions, the shots are shared far more widely).
 
 Skips (exit status 0, a line starting with ``SKIPPED:``, no JSON) when ../shared/data/bench/mmlu is absent.
 Results: benchmarks/results/bench_eval.json (bench_eval_quick.json).
@@ -223,7 +223,7 @@ def main() -> int:
                         help="tiny-random model, the project's data/bench MMLU subset, 2 subjects x 2 questions")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes, run in order")
     parser.add_argument("--subjects", type=int, default=None, help="MMLU subjects (default 4; quick 2)")
-    parser.add_argument("--per-subject", type=int, default=None, help="questions per subject (default 6; quick 2)")
+    parser.add_argument("--per-subject", type=int, default=None, help="questions per subject (default 16; quick 2)")
     parser.add_argument("--batch", type=int, default=8, help="batch_size of both arms")
     parser.add_argument("--seed", type=int, default=0, help="eval.bench_seed: which subjects and questions")
     parser.add_argument("--data", default=None, help="directory holding mmlu/ (default ../shared/data/bench; "
@@ -243,7 +243,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     started, load_start = time.perf_counter(), load_average()
     subjects = args.subjects or (2 if args.quick else 4)
-    per_subject = args.per_subject or (2 if args.quick else 6)
+    per_subject = args.per_subject or (2 if args.quick else 16)
     config = compose_config(*(["model=tiny-random"] if args.quick else []), "eval.benchmarks=[mmlu]",
                             f"eval.bench_data=[{data.resolve()}]", f"eval.bench_limit={subjects}",
                             f"eval.bench_seed={args.seed}", "out_dir=/tmp/qwenft-bench-eval", command="eval")

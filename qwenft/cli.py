@@ -88,17 +88,21 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def task(cfg: DictConfig):
-        run_dir = None
+        run_dir, status, metric_names = None, "failed", list(cfg.eval.metrics)
         try:
             config = to_config(cfg)
             if command in RUN_DIR_COMMANDS:
                 config.out_dir = HydraConfig.get().runtime.output_dir
                 run_dir = Path(config.out_dir).expanduser().resolve()
-            return _resolve(command)(config)
+            result = _resolve(command)(config)
+            status = "done"
+            return result
         except GatesFailed as exc:  # everything is written: the run directory stays as it is
+            status = "gate failed"
             _log_to_files(f"verdict: {exc}")
             failed_gates.append(str(exc))
         except QwenftError as exc:
+            status = f"error: {exc}"
             _log_to_files(f"error: {exc}")
             if run_dir is not None and os.environ.get("RANK", "0") == "0":
                 if str(run_dir) in snapshots:
@@ -108,12 +112,15 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
                     discard_untouched_run_dir(run_dir, command)
             fail(str(exc))
         except KeyboardInterrupt:
-            message = "interrupted"
+            message = status = "interrupted"
             if command == "train" and run_dir is not None:
                 message += (f"; complete checkpoints in {run_dir / 'checkpoints'} are kept: rerun the same command with "
                             "train.resume=auto to continue from the last one")
             _log_to_files(message)
+            print(file=sys.stderr)  # on a line of its own: a progress bar (or the terminal's ^C) ends without one
             fail(message, code=130)
+        finally:  # -m: the point goes into the grid's index however it ended
+            _index_grid_point(command, status, metric_names)
 
     saved = sys.argv
     sys.argv = [f"qwenft {command}", *overrides, *extra, *flags]
@@ -127,6 +134,22 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
         raise SystemExit(GATE_EXIT_CODE)
 
 
+def _index_grid_point(command: str, status: str, metric_names: Sequence[str]) -> None:
+    """Under ``-m``, in ``train`` and ``eval``: the point that just ended goes into the grid's index at ``out_dir``
+    (:mod:`qwenft.grid`: grid.json, grid.md), with the overrides Hydra gave it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode != RunMode.MULTIRUN or command not in RUN_DIR_COMMANDS or os.environ.get("RANK", "0") != "0":
+        return
+    from qwenft.grid import record_point
+
+    overrides = [o for o in hydra_config.overrides.task if not o.startswith("command=")]
+    root = Path(hydra_config.runtime.output_dir).parent  # point N runs in out_dir/N
+    record_point(root, int(hydra_config.job.num), overrides, status, metric_names)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m qwenft``; exits 0 on success, 2 on a user error, 3 when a gate failed under
     ``eval.fail_on_gate=true``."""
@@ -138,20 +161,40 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(0)
 
 
-# Commands whose standard output is their result (`generate ... > answer.txt`).
-RESULT_ON_STDOUT = ("generate", "data", "merge", "eval", "inspect")
-
-
-def _quiet_wandb_notice(command: str) -> None:
+def _quiet_wandb_notice() -> None:
     """transformers prints "[INFO] Running in WANDB offline mode" on stdout when its W&B integration is imported
-    with WANDB_MODE=offline; import it now with that line dropped (the user set the mode), so a redirected result
-    stays clean."""
-    if command in RESULT_ON_STDOUT and os.environ.get("WANDB_MODE") == "offline":
+    with WANDB_MODE=offline (every Hydra command imports it: the launch checks import qwenft.train); import it now
+    with that line dropped (the user set the mode; wandb says so itself on stderr when a run logs to it), so a
+    redirected result, and the line of a config error, stays clean."""
+    if os.environ.get("WANDB_MODE") == "offline":
         import contextlib
         import io
 
         with contextlib.redirect_stdout(io.StringIO()):
             import transformers.integrations.integration_utils  # noqa: F401
+
+
+def shell_split(words: Sequence[str]) -> Optional[str]:
+    """The one-line error for an override the shell split at its spaces, else None.
+
+    Unquoted, ``data.sources.0.columns={instruction: q, output: a}`` reaches qwenft as four words, the first
+    ``data.sources.0.columns={instruction:`` (Hydra: "no viable alternative at input '{instruction:'"); so do
+    ``eval.metrics=[char_f1, rouge_l]`` and ``prompt=Hello world``. Every override is ``key=value`` (or ``~key``),
+    so the words without ``=`` after an override are the rest of it: the error names the key and the whole
+    override, quoted for the shell.
+    """
+    for i, word in enumerate(words):
+        if "=" not in word:
+            continue
+        end = i + 1
+        while end < len(words) and "=" not in words[end] and not words[end].startswith("~"):
+            end += 1
+        if end > i + 1:
+            whole = " ".join(words[i:end])
+            quote = "'" if "'" not in whole else '"'
+            return (f"{word.partition('=')[0]}: the shell split this override at its spaces into {end - i} words "
+                    f"(the first: {word}); quote it whole: {quote}{whole}{quote}")
+    return None
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> None:
@@ -172,12 +215,20 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
     register_resolvers()
     new_run_stamp()  # this command's default run directory name (validate() and Hydra both compose it)
     parsed = _parse_hydra_args(rest)
+    split = shell_split(parsed.overrides)
+    if split:
+        fail(split)
     try:  # Hydra's spelling of free text and lists; a recipe file registered for Hydra (+recipe=./my.yaml)
         overrides = recipe_overrides(free_form(parsed.overrides))
     except QwenftError as exc:
         fail(str(exc))
+    if parsed.help:  # the keys this command reads; the whole config is `--cfg job`, Hydra's help `--hydra-help`
+        from qwenft.usage import command_help
+
+        print(command_help(command, COMMAND_TABLE[command][0], overrides), end="")
+        return
     locks: List[RunLock] = []
-    _quiet_wandb_notice(command)
+    _quiet_wandb_notice()
     try:
         _checked_run(command, rest, parsed, overrides, locks)
     except QwenftError as exc:  # a run directory in use (the other user errors are handled where they arise)

@@ -323,19 +323,21 @@ def _where_in_recipe_file(message: str, overrides: Sequence[str]) -> str:
 
 
 def register_resolvers() -> None:
-    """Register the ``qwenft_schema`` node in Hydra's ConfigStore and the ``${qwenft_root:}`` and
-    ``${qwenft_run_id:}`` (the default run directory's name, :func:`qwenft.runlock.run_stamp`) resolvers.
+    """Register the ``qwenft_schema`` node in Hydra's ConfigStore and the ``${qwenft_root:}``,
+    ``${qwenft_run_id:}`` (the default run directory's name, :func:`qwenft.runlock.run_stamp`) and
+    ``${qwenft_run_group:COMMAND}`` (``eval/`` for eval, :func:`qwenft.runlock.run_group`) resolvers.
 
     Idempotent; called by the CLI and by tests that compose the config themselves.
     """
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from qwenft.runlock import run_stamp  # here, not at the top: runlock imports this module
+    from qwenft.runlock import run_group, run_stamp  # here, not at the top: runlock imports this module
 
     ConfigStore.instance().store(name="qwenft_schema", node=Config)
     OmegaConf.register_new_resolver("qwenft_root", lambda: str(project_root()), replace=True)
     OmegaConf.register_new_resolver("qwenft_run_id", run_stamp, replace=True)
+    OmegaConf.register_new_resolver("qwenft_run_group", run_group, replace=True)
 
 
 def discard_untouched_run_dir(run_dir: Path, command: str) -> bool:

@@ -1,4 +1,5 @@
-"""Known-harmless log lines of the stack, turned into debug lines (installed by ``import qwenft``).
+"""What reaches the user's streams: known-harmless log lines of the stack turned into debug lines (installed by
+``import qwenft``), and the console a command prints its result on (:func:`result_console`).
 
 bitsandbytes 0.50 tries, on a CPU with AVX512-BF16, to load an optional 4-bit matmul kernel from the ``kernels``
 package when it is imported, and logs a WARNING when that package is not installed ("Failed to load CPU
@@ -11,6 +12,7 @@ and every other bitsandbytes message, is logged as bitsandbytes logs it.
 from __future__ import annotations
 
 import logging
+import os
 
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"  # the module that logs it, at import
 KERNELS_MISSING = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'"
@@ -33,3 +35,22 @@ def quiet_known_warnings() -> None:
     logger = logging.getLogger(BNB_CPU_LOGGER)
     if not any(isinstance(f, OptionalKernelsMissing) for f in logger.filters):
         logger.addFilter(OptionalKernelsMissing())
+
+
+WIDE = 10_000  # columns of a result printed to a file or a pipe without COLUMNS: no table cell cut, no line wrapped
+
+
+def result_console(**kwargs):
+    """The ``rich.console.Console`` a command prints its result (tables, summary lines) on, stdout.
+
+    On a terminal it is rich's own (the terminal's width). Not a terminal (``plan > plan.txt``, a pipe, a log) it is
+    ``$COLUMNS`` wide when set, else :data:`WIDE`: rich's default there is 80 columns, which cut table cells to
+    ``2.16e…`` and wrapped long lines. The tables add their columns with ``overflow="fold"`` so that a narrow width
+    folds a value onto the next line instead of cutting it. ``kwargs`` go to ``Console`` (e.g. ``highlight=False``).
+    """
+    from rich.console import Console
+
+    console = Console(**kwargs)
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+        console = Console(width=WIDE, **kwargs)
+    return console

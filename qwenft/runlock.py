@@ -1,9 +1,10 @@
 """One process per run directory: default run directories unique per process, and a lock held for the whole command.
 
-- :func:`run_stamp` names the default run directory (``outputs/<run_name>/<stamp>``, ``${qwenft_run_id:}`` in
-  conf/config.yaml): the start time plus this process's id, or the W&B run id under a sweep agent, so two
-  launches in the same second never share a directory. It is fixed once per command (the CLI composes the config
-  twice; both get the same name); under torchrun rank 0's is broadcast (:func:`qwenft.train.dist.launch_overrides`).
+- :func:`run_stamp` names the default run directory (``outputs/<run_name>/<stamp>``, for ``eval``
+  ``outputs/eval/<run_name>/<stamp>`` (:func:`run_group`), ``${qwenft_run_id:}`` in conf/config.yaml): the start
+  time plus this process's id, or the W&B run id under a sweep agent, so two launches in the same second never
+  share a directory. It is fixed once per command (the CLI composes the config twice; both get the same name);
+  under torchrun rank 0's is broadcast (:func:`qwenft.train.dist.launch_overrides`).
 - :class:`RunLock` is an OS file lock (the ``filelock`` package, ``flock``) on ``<dir>/.qwenft.lock`` for
   ``train`` and ``eval`` (``merge``: ``.<DIR>.qwenft.lock`` beside its ``out=DIR``, which appears only when
   verified), taken by the CLI before anything is written and held until the command ends. The holder's process
@@ -57,6 +58,13 @@ def run_stamp() -> str:
     if _stamp is None:
         _stamp = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{run_tag()}"
     return _stamp
+
+
+def run_group(command: str) -> str:
+    """The folder under ``outputs/`` that holds a command's default run directories before ``<run_name>/``:
+    ``eval/`` for ``eval`` (so an evaluation of a recipe never lands beside that recipe's training runs), else
+    nothing; the ``${qwenft_run_group:${command}}`` resolver of conf/config.yaml."""
+    return "eval/" if command == "eval" else ""
 
 
 def new_run_stamp() -> str:

@@ -19,6 +19,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from qwenft.config import Config, ConfigError, QwenftError
+from qwenft.logfilter import result_console
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ def _layer_table(title: str, trace: Dict[str, Any]):
 
     table = Table(title=title)
     for col in ("layer", "ms", "attn rms", "mlp rms", "std", "max|x|", "growth", "H(attn)", "attends"):
-        table.add_column(col, justify="left" if col == "attends" else "right")
+        table.add_column(col, justify="left" if col == "attends" else "right", overflow="fold")
     for r in trace["layers"]:
         ent, m = r["attention_entropy"], r["mlp"]
         tops = " ".join(f"{p['position']}({p['weight']:.2f})" for p in r["top_positions"])
@@ -322,10 +323,10 @@ def _next_table(title: str, traces: Dict[str, Dict[str, Any]]):
     from rich.table import Table
 
     table = Table(title=title)
-    table.add_column("rank", justify="right")
+    table.add_column("rank", justify="right", overflow="fold")
     for name, trace in traces.items():
-        table.add_column(f"{name} token")
-        table.add_column(f"{name} p", justify="right")
+        table.add_column(f"{name} token", overflow="fold")
+        table.add_column(f"{name} p", justify="right", overflow="fold")
     rows = max(len(t["next_token"]["top"]) for t in traces.values())
     for k in range(rows):
         cells = [str(k + 1)]
@@ -339,13 +340,12 @@ def _next_table(title: str, traces: Dict[str, Dict[str, Any]]):
 def render(result: Dict[str, Any], console=None) -> None:
     """Print the trace of :func:`inspect_command` as rich tables: tokens, layers (base, tuned), final norm,
     next-token candidates, KV-cache bytes and, with an adapter, the base-vs-tuned comparison."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or result_console()
     table = Table(title=f"Tokens of the prompt ({len(result['tokens'])}, chat={result['chat']})")
     for col in ("#", "id", "piece", "text", "bytes"):
-        table.add_column(col, justify="right" if col in ("#", "id") else "left")
+        table.add_column(col, justify="right" if col in ("#", "id") else "left", overflow="fold")
     for pos, row in enumerate(result["tokens"]):
         table.add_row(str(pos), str(row["id"]), repr(row["piece"]), repr(row["text"]),
                       "special" if row["special"] else (row["bytes"] or ""))
@@ -372,7 +372,7 @@ def render(result: Dict[str, Any], console=None) -> None:
                       f"KL(base || tuned) = {comparison['kl_base_tuned']:.4g} nats")
         table = Table(title="Layers whose hidden state moved most (||h_tuned - h_base|| / ||h_base||)")
         for col in ("layer", "relative change", "cosine (last token)"):
-            table.add_column(col, justify="right")
+            table.add_column(col, justify="right", overflow="fold")
         by_layer = {r["layer"]: r for r in comparison["layers"]}
         for i in comparison["moved_most"]:
             table.add_row(str(i), f"{by_layer[i]['relative_change']:.4g}", f"{by_layer[i]['last_cosine']:.4f}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -175,6 +176,23 @@ def test_bench_limit_selects_the_same_questions_for_the_same_seed():
     assert sum(map(len, first.values())) == 5 and all(len(ids) == 1 for ids in first.values())
     assert samples("eval.bench_limit=5") == first
     assert samples("eval.bench_limit=5", "eval.bench_seed=1") != first
+
+
+def test_more_subtasks_than_there_are_or_than_the_limit_reaches_is_said(caplog):
+    """bench_subtasks is lowered, never refused: the warning says to what (the shipped MMLU has 57 subjects)."""
+    def prepare(*extra):
+        config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", *extra, command="eval")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qwenft"):
+            bench = bench_tasks.prepare(config)[0]
+        return bench, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    bench, warned = prepare("eval.bench_subtasks=100")
+    assert bench.subjects == 57 and warned == ["eval.bench_subtasks=100 but mmlu has 57 subtasks: all 57 are used"]
+    bench, warned = prepare("eval.bench_subtasks=8", "eval.bench_limit=4")
+    assert bench.subjects == 4 and warned == ["eval.bench_limit=4 < eval.bench_subtasks=8: mmlu draws one question "
+                                              "from each of 4 subtasks"]
+    assert prepare("eval.bench_subtasks=8", "eval.bench_limit=16")[1] == []
 
 
 # ----------------------------------------------------------------- 3. prefix-cached scores == the full forward
@@ -441,6 +459,20 @@ def test_bad_data_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatc
     refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", f"eval.bench_data=[{bench}]",
                               f"out_dir={out}"], capsys, monkeypatch)
     assert_refused(*refused, out, "x_test.csv", "'x' is not a subject")
+    # an empty test file; a row with a seventh field; an empty question; a dev file short of the 5 shots
+    for label, rows, words in (("empty", [], ["anatomy_test.csv", "no questions"]),
+                               ("extra", [["q1?", "a", "b", "c", "d", "A", "x"]], ["row 1", "7 fields"]),
+                               ("blank", [[" ", "a", "b", "c", "d", "A"]], ["row 1", "field 'question': empty"])):
+        bench = mmlu_dir(tmp_path / label, "anatomy", rows)
+        refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", f"eval.bench_data=[{bench}]",
+                                  f"out_dir={out}"], capsys, monkeypatch)
+        assert_refused(*refused, out, *words)
+    bench = mmlu_dir(tmp_path / "short", "anatomy", [["q1?", "a", "b", "c", "d", "A"]])
+    with open(bench / "mmlu" / "dev" / "anatomy_dev.csv", "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["shot?", "a", "b", "c", "d", "A"]] * 2)
+    refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", f"eval.bench_data=[{bench}]",
+                              f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "anatomy_dev.csv", "2 rows", "5-shot")
     # `train` refuses the same way, before its run directory is written
     from tests.test_train import train_overrides
 

@@ -170,6 +170,28 @@ def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path):
     assert fp32["max_abs_loglik_diff"] < result["fp32_tolerance"] and fp32["same_predictions"] == 4
 
 
+def test_eval_memory_quick_mode_measures_after_train_later_eval_and_plan(tmp_path):
+    """benchmarks/eval_memory.py --quick: train (with its after-train evaluation), a later `qwenft eval` of the same
+    adapter and `qwenft plan` on tiny-random, each a child process; the three evaluation peaks and their ratios."""
+    proc = subprocess.run([sys.executable, "benchmarks/eval_memory.py", "--quick"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "eval_memory_quick.json").read_text())
+    assert result["quick"] is True and result["targets"]["enforced"] is False
+    assert result["settings"] == {**result["settings"], "steps": 2, "rows": 24, "seed": 0, "model": "tiny-random"}
+    assert [c["name"] for c in result["commands"]] == ["train", "eval", "plan"]
+    assert all(c["returncode"] == 0 and _positive(c["seconds"]) for c in result["commands"]), result["commands"]
+    peaks = result["peak_bytes"]
+    assert all(_positive(peaks[k]) for k in ("after_train", "later_eval", "plan")), peaks
+    ratios = result["ratios"]
+    assert ratios["after_train_over_later"] == pytest.approx(peaks["after_train"] / peaks["later_eval"])
+    assert ratios["after_train_over_plan"] == pytest.approx(peaks["after_train"] / peaks["plan"])
+    assert ratios["later_over_plan"] == pytest.approx(peaks["later_eval"] / peaks["plan"])
+    assert set(result["targets_met"]) == set(ratios)
+    assert all(isinstance(v, bool) for v in result["targets_met"].values())
+    assert result["memory"]["train"]["bytes"] > 0 and result["plan_evaluation"]["peak"] == peaks["plan"]
+
+
 def test_bootstrap_interval_resamples_whole_repeats():
     sys.path.insert(0, str(ROOT))
     from benchmarks.sampler import bootstrap_median_ci

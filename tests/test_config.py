@@ -92,12 +92,45 @@ def test_help_lists_the_seven_commands():
         assert f"\n  {command} " in result.stdout
 
 
+def test_command_help_leads_with_the_keys_it_reads():
+    """`generate --help` (issue 27): the keys generate reads with their values, examples, and where the whole
+    config is; not Hydra's 200-line config dump. `--cfg job` still prints the resolved config."""
+    result = run_cli("generate", "--help", "generate.max_new_tokens=7")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("usage: python -m qwenft generate") and len(lines) < 40, result.stdout
+    for key in ("prompt=null", "prompts_file=null", "out=null", "adapter=null", "generate.max_new_tokens=7"):
+        assert any(line.strip().startswith(key) for line in lines), key
+    assert "--cfg job" in result.stdout and "== Config ==" not in result.stdout
+    dump = run_cli("generate", "--cfg", "job")
+    assert dump.returncode == 0 and "max_new_tokens: 256" in dump.stdout and len(dump.stdout.splitlines()) > 100
+
+
+def test_every_help_key_is_a_config_key():
+    """Each command's --help lists keys of the config (no drift), with their composed values."""
+    from omegaconf import OmegaConf
+
+    from qwenft.cli import COMMAND_TABLE
+    from qwenft.config import COMMANDS
+    from qwenft.usage import COMMAND_KEYS, _values, command_help
+
+    assert set(COMMAND_KEYS) == set(COMMANDS)
+    base = OmegaConf.structured(compose_config())
+    for command, keys in COMMAND_KEYS.items():
+        for key, _ in keys:
+            assert key == "+recipe" or OmegaConf.select(base, key, default="absent") != "absent", (command, key)
+        assert command_help(command, COMMAND_TABLE[command][0]).count("\n  ") >= len(keys)
+    assert _values("plan", ["model=qwen2.5-7b-instruct", "lora.r=64"])["model"] == "qwen2.5-7b-instruct"
+    assert _values("plan", ["lora.r=64"])["lora.r"] == "64"
+
+
 @pytest.mark.parametrize("override, key", [("lora.rank=8", "lora.rank"), ("train.lr=fast", "train.lr"),
                                            ("lora.r=0", "lora.r")])
 def test_cli_bad_override_exits_2_with_one_line(override, key):
     result = run_cli("train", override)
     assert result.returncode == 2
     assert key in result.stderr
+    assert result.stdout == ""  # WANDB_MODE=offline: transformers' "[INFO] Running in WANDB offline mode" dropped
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
@@ -220,3 +253,24 @@ def test_the_multirun_grid_is_hydras_job_order(overrides):
     parsed = OverridesParser.create().parse_overrides(overrides)
     (hydra_jobs,) = BasicSweeper.split_arguments(parsed, None)
     assert sweep_grid(parsed) == hydra_jobs and len(hydra_jobs) > 1
+
+
+def test_an_override_the_shell_split_gets_the_quoting_hint(capsys):
+    """Issue 27: `train +recipe=domain data.sources.0.path=qa.csv data.sources.0.columns={instruction: q, output: a}`
+    unquoted reaches qwenft as several words (Hydra: "no viable alternative at input '{instruction:'")."""
+    from qwenft.cli import main
+
+    words = "train +recipe=domain data.sources.0.path=qa.csv data.sources.0.columns={instruction: q, output: a}"
+    result = run_cli(*words.split(" "))  # as the shell splits it
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "qwenft: error: data.sources.0.columns: the shell split this override at its spaces into 4 words (the first: "
+        "data.sources.0.columns={instruction:); quote it whole: 'data.sources.0.columns={instruction: q, output: a}'")
+    for typed, quoted in [("eval.metrics=[char_f1, rouge_l]", "'eval.metrics=[char_f1, rouge_l]'"),
+                          ("-m lora.r=8, 16", "'lora.r=8, 16'"),
+                          ("prompt=it's cold", "\"prompt=it's cold\"")]:
+        with pytest.raises(SystemExit) as info:
+            main(["generate", "model=tiny-random", *typed.split(" ")])
+        assert info.value.code == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.endswith(f"quote it whole: {quoted}") and line.startswith("qwenft: error: ")

@@ -687,3 +687,111 @@ def test_a_row_losing_only_its_unsupervised_tail_fits(tiny):
     assert fit["overflow"] == 0 and fit["input_ids"] == full["input_ids"][:-1] and fit["labels"] == full["labels"][:-1]
     assert encode_example(tiny, messages, max_seq_len=n - 2, train_on="assistant")["overflow"] == 2
     assert assemble([[1, 2], [3]], [False, False], 2)["overflow"] == 1  # nothing supervised kept: still a cut
+
+
+# ----------------------------------------------------------------------------- issue 27: a newcomer's data
+
+def qa_csv(path: Path, n: int) -> Path:
+    path.write_text("q,a\n" + "".join(f"question {i}?,answer {i}.\n" for i in range(n)), encoding="utf-8")
+    return path
+
+
+def test_eval_rows_larger_than_a_source_is_clamped_or_refused(tmp_path, monkeypatch, capsys):
+    """`data +recipe=domain data.sources.0.path=qa.csv 'columns=...'` on a 30-row file: the recipe's eval_rows=50
+    is clamped to a third with a warning naming the key; a 2-row file is refused naming the largest valid value."""
+    from qwenft.cli import main
+    from qwenft.data.checks import eval_rows_for
+
+    monkeypatch.chdir(tmp_path)
+    qa_csv(tmp_path / "qa.csv", 30)
+    command = ["data", "+recipe=domain", "model=tiny-random", "data.cache=false", "data.sources.0.path=qa.csv",
+               "data.sources.0.columns={instruction: q, output: a}"]
+    main(command)
+    captured = capsys.readouterr()
+    assert ("domain (qa.csv): data.sources.0.eval_rows=50 is more than its 30 usable rows; clamped to 10 (a third), "
+            "leaving 20 rows for training") in captured.err
+    assert "eval examples: 20 (domain 10, general 10)" in captured.out
+    qa_csv(tmp_path / "small.csv", 2)
+    with pytest.raises(SystemExit) as info:
+        main([*command[:4], "data.sources.0.path=small.csv", command[-1]])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "qwenft: error: data.sources.0.eval_rows=50: source domain (small.csv) has only 2 usable rows; the largest "
+        "valid value is 1 (at least one row must be left to train on); or set data.sources.0.weight=0 to only "
+        "evaluate on it")
+    held = DataSource(name="held", path="h.jsonl", weight=0.0, eval_rows=50)  # evaluation only: all of it
+    assert eval_rows_for(held, 1, 7)[0] == 7 and "clamped to 7" in eval_rows_for(held, 1, 7)[1]
+    assert eval_rows_for(DataSource(name="d", path="a", eval_rows=5), 0, 5) == (5, None)  # not larger: as asked
+
+
+@pytest.mark.parametrize("fmt, record, hint", [
+    ("alpaca", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+     "field 'instruction': missing; the row has fields: conversations; it looks like the sharegpt format "
+     "(conversations: [{from, value}]): set data.sources.0.format=sharegpt"),
+    ("sharegpt", {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+     "field 'conversations[0].from': missing; the turn has fields: role, content; the turns look like the messages "
+     "format's (role, content): set data.sources.0.format=messages 'data.sources.0.columns={messages: conversations}'"),
+    ("messages", {"messages": [{"from": "human", "value": "q"}]},
+     "the turns look like the sharegpt format's (from, value): set data.sources.0.format=sharegpt "
+     "'data.sources.0.columns={conversations: messages}'"),
+    ("sharegpt", {"instruction": "q", "output": "a"},
+     "it looks like the alpaca format (instruction, output): set data.sources.0.format=alpaca"),
+    ("alpaca", {"messages": [{"role": "user", "content": "q"}]},
+     "it looks like the messages format (messages: [{role, content}]): set data.sources.0.format=messages"),
+    ("alpaca", {"q": "q", "a": "a"},
+     "map the file's fields to the alpaca format's (instruction, output) with "
+     "'data.sources.0.columns={instruction: FIELD, output: FIELD}'"),
+])
+def test_a_row_of_another_format_says_which(tiny, tmp_path, fmt, record, hint):
+    """The issue's files: sharegpt read as alpaca, role/content turns under format=sharegpt, and the other shapes."""
+    write_jsonl(tmp_path / "rows.jsonl", [record])
+    with pytest.raises(DataError) as info:
+        build(config_for(DataSource(name="mine", path=str(tmp_path / "rows.jsonl"), format=fmt)), tiny)
+    assert str(info.value).endswith(hint) and "line 1" in str(info.value)
+    with pytest.raises(DataError) as info:  # read without its place in data.sources: N
+        read_source(DataSource(name="x", path=str(tmp_path / "rows.jsonl"), format=fmt))
+    assert str(info.value).endswith(hint.replace("data.sources.0.", "data.sources.N."))
+
+
+def test_a_file_type_as_format_says_where_the_type_comes_from():
+    with pytest.raises(ConfigError, match=r"format='csv' is not accepted; the file type comes from the path's "
+                                          r"extension .*alpaca \(instruction, output\); messages \(messages: "):
+        DataSource(name="d", path="qa.csv", format="csv")
+
+
+def test_a_typo_in_a_local_path_shows_the_resolved_path(tmp_path, monkeypatch):
+    """`data.sources.0.path=qa.cvs`: not a file, so tried as a Hub id; the error shows both and the near name."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    qa_csv(tmp_path / "qa.csv", 3)
+    with pytest.raises(DataError) as info:
+        read_source(DataSource(name="d", path="qa.cvs", columns={"instruction": "q", "output": "a"}))
+    message = str(info.value)
+    assert message.startswith(f"qa.cvs: no such local file (resolved to {tmp_path / 'qa.cvs'}), and not loadable "
+                              "as a Hugging Face dataset id")
+    assert message.endswith("; did you mean qa.csv?")
+
+
+def test_a_plain_text_prompts_file_and_a_missing_model_dir_say_what_was_expected(tmp_path, monkeypatch):
+    """`generate prompts_file=prompts.txt` holding plain lines: the file and line, and what a line must hold; a model
+    directory that is not there: its absolute path (model.source=local), or beside the Hub attempt (source=hub)."""
+    from qwenft.config import ModelConfig, QwenftError
+    from qwenft.generation.command import read_prompts
+    from qwenft.model.sources import resolve_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("\nWrite a haiku about spring\n", encoding="utf-8")
+    with pytest.raises(QwenftError) as info:
+        read_prompts("prompts.txt")
+    assert str(info.value) == ('prompts.txt:2: not valid JSON (Expecting value, column 1); a prompts file holds one '
+                               'JSON object per line: {"prompt": "your question"} or {"messages": [{"role": "user", '
+                               '"content": "..."}]}')
+    with pytest.raises(QwenftError, match=r"prompts_file='prompt\.txt': no such file \(resolved to "
+                                          + str(tmp_path) + r"/prompt\.txt\); did you mean prompts\.txt\?"):
+        read_prompts("prompt.txt")
+    with pytest.raises(QwenftError, match=r"model.path='my-model': does not exist \(resolved to " + str(tmp_path)):
+        resolve_model_dir(ModelConfig(source="local", path="my-model"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(QwenftError, match=r"model \./my-model: cannot load it .*; no local directory "
+                                          + str(tmp_path) + r"/my-model either \(a local model: model.source=local"):
+        load_tokenizer("./my-model")

@@ -101,7 +101,12 @@ def test_eval_with_a_recipe_runs_the_adapters_base_and_reports_its_lora(trained_
                      "lora.lora_alpha=8", f"out_dir={out}", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "from the adapter's qwenft.json" in result.stdout + result.stderr
+    # typed +recipe: its data is evaluated, and the log and report.md say it is not what the adapter was trained on
+    log = result.stdout + result.stderr
+    warning = [line for line in log.splitlines() if "NOT THE ADAPTER'S DATA: it was trained on toy (" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0], log[-3000:]
     report = (out / "report.md").read_text()
+    assert "- **held-out data is not the adapter's training data**: this evaluation read domain (" in report
     lora = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert lora["r"] != 4 and f"- LoRA: r={lora['r']}, lora_alpha={lora['lora_alpha']}, " in report
     assert "; trained on `tiny-random` with quant=none" in report
@@ -112,7 +117,7 @@ def test_eval_refuses_a_missing_adapter(tmp_path):
     from tests.test_config import run_cli as run_any
 
     result = run_any("eval", "model=tiny-random", f"adapter={tmp_path}/none", f"out_dir={tmp_path}/x")
-    assert result.returncode == 2 and "adapter_config.json" in result.stderr
+    assert result.returncode == 2 and f"{tmp_path}/none does not exist" in result.stderr, result.stderr[-2000:]
 
 
 def test_base_only_report_names_no_adapter(tmp_path):
@@ -132,3 +137,47 @@ def test_base_only_report_names_no_adapter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = (tmp_path / "e" / "report.md").read_text()
     assert "- adapter: none (the base model alone)" in report and "LoRA: r=" not in report
+    # issue 27 item 10: base-only columns, no empty tuned / ratio ones
+    assert "| text | tokens | base |\n|---|---|---|\n| answers:held | " in report, report
+    assert "tuned" not in report.split("## Generation metrics")[1]
+
+
+def test_eval_with_only_the_run_directory_reads_the_adapters_data(trained_run):
+    """issue 27 items 3 and 4: `eval adapter=<run dir>` (no recipe, no data): the run directory stands for its
+    adapter/, and the held-out rows are the run's own (the custom source its qwenft.json records, same rows as the
+    evaluation after training), not the project's default data."""
+    from tests.test_config import run_cli as run_any
+
+    tmp, run_dir = trained_run
+    out = tmp / "only-adapter"
+    result = run_any("eval", f"adapter={run_dir}", f"out_dir={out}", "eval.max_new_tokens=2", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert f"adapter={run_dir} is a run directory: using its adapter {run_dir / 'adapter'}" in log
+    assert f"eval data from the adapter's qwenft.json (what it was trained on): toy ({tmp / 'rows.jsonl'}, 4 rows " \
+           "held out)" in log
+    assert "NOT THE ADAPTER'S DATA" not in log
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    trained = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["row"], r["prompt"]) for r in rows] == [(r["source"], r["row"], r["prompt"])
+                                                                    for r in trained]
+    assert "held-out data is not" not in (out / "report.md").read_text()
+
+
+def test_eval_runs_default_to_their_own_folder():
+    """issue 27 item 10: eval's default run directory is outputs/eval/<recipe or eval>/..., never beside the
+    recipe's training runs in outputs/<recipe>/; out_dir= still wins."""
+    from tests.conftest import compose_config
+
+    assert compose_config("+recipe=quickstart", command="eval").out_dir.startswith("outputs/eval/quickstart/")
+    assert compose_config(command="eval").out_dir.startswith("outputs/eval/eval/")
+    assert compose_config("+recipe=quickstart").out_dir.startswith("outputs/quickstart/")
+    assert compose_config("out_dir=elsewhere", command="eval").out_dir == "elsewhere"
+
+
+def test_base_only_benchmark_table_has_base_columns_only():
+    """issue 27 item 10: a base-only benchmark table has no empty tuned / delta / CI columns."""
+    from qwenft.evaluate.verdict import benchmark_lines
+
+    lines = benchmark_lines({"mmlu": {"metric": "acc", "n": 32, "base": 0.25}})
+    assert lines[2:5] == ["| benchmark | metric | n | base |", "|---|---|---|---|", "| mmlu | acc | 32 | 0.250 |"]

@@ -184,11 +184,33 @@ def test_user_errors_stop_before_loading(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"inspect\.layers=\[0, 7\].*3 layers"):
         inspect_command(dataclasses.replace(config, prompt="x", inspect=dataclasses.replace(config.inspect,
                                                                                             layers=[0, 7])))
-    with pytest.raises(QwenftError, match="adapter_config.json"):
+    with pytest.raises(QwenftError, match=f"{tmp_path / 'none'} does not exist"):
         inspect_command(dataclasses.replace(config, prompt="x", adapter=str(tmp_path / "none")))
     proc = subprocess.run([sys.executable, "-m", "qwenft", "inspect", "model=tiny-random"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "prompt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_redirected_tables_keep_every_value(tmp_path):
+    """`inspect ... > out` (issue 27): stdout is a pipe, so the tables are printed full width: no cell cut to
+    `2.16e…` or a header to `atten…`, every layer's statistics as the JSON trace has them."""
+    import os
+
+    out = tmp_path / "trace.json"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "qwenft", "inspect", "model=tiny-random", "quant=none",
+                           "model.attn_implementation=eager", f"prompt={PROMPT}", f"inspect.out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**env, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "…" not in proc.stdout and "WANDB" not in proc.stdout
+    trace = json.loads(out.read_text(encoding="utf-8"))
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
+    for layer in trace["base"]["layers"]:
+        cells = [f"{layer['attention']['rms']:.3g}", f"{layer['mlp']['max_abs']:.3g}", f"x{layer['growth']:.2f}",
+                 " ".join(f"{p['position']}({p['weight']:.2f})" for p in layer["top_positions"])]
+        assert any(all(cell in row for cell in cells) for row in rows), (cells, proc.stdout)
+    assert "attends" in proc.stdout and "H(attn)" in proc.stdout
 
 
 @pytest.mark.slow

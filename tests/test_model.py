@@ -248,3 +248,36 @@ def test_an_adapter_of_another_base_is_one_line(tmp_path):
     other, _ = load_model(compose_config("model=tiny-random", "quant=none"), device="cpu")  # hidden size 64
     with pytest.raises(QwenftError, match="does not fit .*another base model"):
         load_adapter(other, str(tmp_path / "adapter"))
+
+
+def test_adapter_path_forgives_a_run_directory_and_names_a_missing_one(tmp_path, caplog, monkeypatch):
+    """issue 27 item 3: `adapter=<run dir>` is that run's adapter/ (one INFO line); a path that does not exist says
+    so with its absolute path; a directory without an adapter says that, with its absolute path. One place
+    (check_adapter_dir) serves generate, eval, inspect (prepare_inference) and merge."""
+    import logging
+
+    from qwenft.export import _paths
+    from qwenft.model import check_adapter_dir
+    from qwenft.model.inference import prepare_inference
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    with caplog.at_level(logging.INFO, logger="qwenft"):
+        assert check_adapter_dir("run") == run.relative_to(tmp_path) / "adapter"
+    assert [r.getMessage() for r in caplog.records] == ["adapter=run is a run directory: using its adapter run/adapter"]
+    assert check_adapter_dir(str(run / "adapter")) == run / "adapter"
+    config = compose_config("model=tiny-random", "quant=none", "adapter=run", command="generate")
+    assert prepare_inference(config).adapter == "run/adapter"
+    merge = compose_config("model=tiny-random", "adapter=run", f"out={tmp_path / 'merged'}", command="merge")
+    assert _paths(merge)[0] == run / "adapter"
+
+    with pytest.raises(QwenftError, match=f"adapter=nothere: {tmp_path / 'nothere'} does not exist; "):
+        check_adapter_dir("nothere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(QwenftError, match=f"{tmp_path / 'empty'} holds no adapter_config.json \\(nor an adapter/"):
+        check_adapter_dir("empty")
+    (tmp_path / "killed" / "checkpoints").mkdir(parents=True)  # a run directory whose training never finished
+    with pytest.raises(QwenftError, match="without adapter/ \\(its training has not finished\\)"):
+        check_adapter_dir(str(tmp_path / "killed"))

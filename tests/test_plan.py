@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -280,15 +281,49 @@ def test_evaluation_on_cuda_dequantizes_only_when_it_fits():
 
 
 def test_plan_cli_writes_json(tmp_path):
+    """`plan > file` under WANDB_MODE=offline (issue 27): stdout (a pipe) is exactly the plan, full width (no cell
+    cut to `…`, no line wrapped at 80 columns) and without transformers' "[INFO] Running in WANDB offline mode"."""
+    import io
+
+    from rich.console import Console
+
+    from qwenft.logfilter import WIDE
+    from qwenft.plan.command import render
+
     out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     proc = subprocess.run([sys.executable, "-m", "qwenft", "plan", "model=qwen2.5-7b-instruct", "lora.r=64",
-                           f"plan.out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           f"plan.out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "57,344 B per token" in proc.stdout
     plan = json.loads(out.read_text())
     assert plan["lora"]["trainable"] == 161_480_704
     assert plan["kv_cache"]["bytes_per_token"] == 57_344
     assert "Evaluation peak on cuda" in proc.stdout and plan["evaluation"]["peak"] > plan["evaluation"]["weights"]
+    expected = io.StringIO()
+    render(plan, Console(file=expected, width=WIDE))
+    assert proc.stdout == expected.getvalue() + f"plan written to {out}\n"
+    assert "WANDB" not in proc.stdout and "…" not in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) > 80  # the evaluation line, unwrapped
+
+
+def test_result_console_width_off_a_terminal(monkeypatch):
+    """Not a terminal: COLUMNS when set, else wide; a narrow width folds table cells instead of cutting them."""
+    import io
+
+    from qwenft.logfilter import WIDE, result_console
+    from qwenft.plan.command import render
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert result_console().width == WIDE
+    monkeypatch.setenv("COLUMNS", "60")
+    console = result_console()
+    assert console.width == 60
+    render(make_plan(compose_config("model=qwen2.5-7b-instruct")), console)
+    text = sys.stdout.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 60
 
 
 def test_plan_out_that_is_a_directory_is_one_line(tmp_path):

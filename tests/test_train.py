@@ -170,11 +170,46 @@ def test_multirun_grid_writes_two_run_directories(tmp_path):
         adapter = sweep_dir / str(num) / "adapter"
         assert json.loads((adapter / "adapter_config.json").read_text())["r"] == rank
         assert (sweep_dir / str(num) / "metrics.json").is_file()
+    # the grid's index at its root (issue 27): which overrides each point got, and a comparison table
+    index = json.loads((sweep_dir / "grid.json").read_text())["points"]
+    assert [(p["num"], p["status"]) for p in index] == [(0, "done"), (1, "done")]
+    assert ["lora.r=4" in p["overrides"] for p in index] == [True, False] and "lora.r=8" in index[1]["overrides"]
+    for point in index:
+        final = json.loads((sweep_dir / str(point["num"]) / "metrics.json").read_text())["train"]["final_loss"]
+        assert point["metrics"]["final_loss"] == final and point["dir"] == str(sweep_dir / str(point["num"]))
+    table = (sweep_dir / "grid.md").read_text().splitlines()
+    header = next(line for line in table if line.startswith("| point"))
+    assert header.split(" | ")[:3] == ["| point", "lora.r", "status"] and "final_loss" in header
+    rows = [line for line in table if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    assert [r.split(" | ")[1] for r in rows] == ["4", "8"]
     # The same grid again into the same out_dir: refused before Hydra rewrites any point's .hydra/
     snapshot = {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("*") if p.is_file()}
     again = run_cli(["-m", "lora.r=4,8", *args])
     assert again.returncode == 2 and f"{sweep_dir / '0'} already holds a training run" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("*") if p.is_file()} == snapshot
+
+
+# Ctrl-C after step 2: KeyboardInterrupt raised where the progress bar has just been drawn.
+CTRL_C_AT_STEP_2 = """
+from qwenft.train.callbacks import ProgressBarCallback
+_step_end = ProgressBarCallback.on_step_end
+def _interrupt(self, args, state, control, **kwargs):
+    _step_end(self, args, state, control, **kwargs)
+    if state.global_step == 2:
+        raise KeyboardInterrupt
+ProgressBarCallback.on_step_end = _interrupt
+"""
+
+
+def test_ctrl_c_message_starts_on_its_own_line(tmp_path):
+    """The progress bar ends without a newline; Ctrl-C's message (exit 130) starts on a line of its own, not glued
+    to the bar (issue 27)."""
+    run_dir = tmp_path / "run"
+    result = run_cli(train_overrides(tmp_path, run_dir), patch=CTRL_C_AT_STEP_2)
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert "train:" in result.stderr  # the bar was drawn
+    assert any(line.startswith("qwenft: error: interrupted; complete checkpoints in")
+               for line in result.stderr.split("\n")), result.stderr[-1000:]
 
 
 def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
@@ -277,3 +312,51 @@ def test_supervised_only_loss_equals_the_model_loss(tmp_path):
         ours_sum = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(2 * n))
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)  # fp32, same math in another order
     torch.testing.assert_close(ours_sum, reference / 2, rtol=1e-6, atol=0)
+
+
+def test_rows_with_their_own_system_turn_are_what_inference_uses(tmp_path):
+    """issue 27 item 7: sharegpt rows that each carry the system turn "You are the Widget helpdesk.": qwenft.json
+    records it (the most frequent one, and its share), and `inspect adapter=<run>` prompts with it, not with the
+    template's default."""
+    rows = tmp_path / "widget.jsonl"
+    with open(rows, "w", encoding="utf-8") as handle:
+        for i in range(12):
+            system = "You are the Widget helpdesk." if i < 9 else "You are a pirate."  # 9 of 12 rows
+            handle.write(json.dumps({"conversations": [{"from": "system", "value": system},
+                                                       {"from": "human", "value": f"Is widget {i} on?"},
+                                                       {"from": "gpt", "value": "Yes, it is."}]}) + "\n")
+    run_dir = tmp_path / "run"
+    args = [a for a in train_overrides(tmp_path, run_dir) if not a.startswith(("data.sources=", "train.max_steps"))]
+    result = run_cli([*args, "train.max_steps=2", f"data.sources=[{{name: widget, path: '{rows}', format: sharegpt}}]"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    meta = json.loads((run_dir / "adapter" / "qwenft.json").read_text())
+    assert meta["system_prompt"] == "You are the Widget helpdesk." and meta["system_prompt_from"] == "rows"
+    assert meta["system_prompt_share"] == pytest.approx(0.75)
+    assert json.loads((run_dir / "checkpoints" / "checkpoint-2" / "qwenft.json").read_text()) == meta
+
+    trace = tmp_path / "trace.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "qwenft", "inspect", f"adapter={run_dir}", "prompt=hi",
+                           f"inspect.out={trace}"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("system prompt from the adapter's qwenft.json, the system turn of 75% of its training rows: "
+            "'You are the Widget helpdesk.'") in proc.stderr
+    text = "".join(token["text"] for token in json.loads(trace.read_text())["tokens"])
+    assert text.startswith("<|im_start|>system\nYou are the Widget helpdesk.<|im_end|>\n<|im_start|>user\nhi"), text
+
+
+def test_a_resume_with_another_model_names_the_model_typed(tmp_path):
+    """issue 27 item 10: a resume with `model=` other than the run's names `model=NAME` (what the user typed), then
+    the keys it changes; a `quant=` likewise."""
+    from qwenft.config import QwenftError
+    from qwenft.train.run import check_resume_config, config_yaml
+
+    (tmp_path / "config.yaml").write_text(config_yaml(compose_config("model=tiny-random", "quant=none")))
+    with pytest.raises(QwenftError) as info:
+        check_resume_config(compose_config("model=qwen2.5-0.5b-instruct", "quant=nf4"), tmp_path)
+    message = str(info.value)
+    assert "other settings (model=qwen2.5-0.5b-instruct now, model=tiny-random in the run: model.path " in message
+    assert "model.source 'tiny-random' -> 'hub'" in message and "; quant=nf4 now, quant=none in the run" in message
+    assert "model.source=" not in message and "quant.method=" not in message
+    with pytest.raises(QwenftError, match=r"\(lora.r=16 in the run, 4 now\)"):  # a plain key: named as it is
+        check_resume_config(compose_config("model=tiny-random", "quant=none", "lora.r=4"), tmp_path)

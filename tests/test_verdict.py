@@ -256,6 +256,7 @@ def test_report_opens_with_the_verdict_and_writes_flips(tmp_path):
     ({"domain": 0.2}, "eval.gates.domain"),
     ({"nosuch": {"min": 0.1}}, "eval.gates.nosuch"),
     ({"domain": {"metric": "exact_match_number", "min": 0.1}}, "eval.gates.domain.metric"),  # not in eval.metrics
+    ({"mmlu": {"metric": "acc_norm", "max_drop": 0.1}}, "eval.gates.mmlu.metric"),  # mmlu reports acc
 ])
 def test_bad_gates_are_config_errors_naming_the_key(gates, key):
     with pytest.raises(ConfigError) as info:
@@ -270,6 +271,13 @@ def test_gate_names_need_held_out_rows_and_something_to_retain():
     with pytest.raises(ConfigError, match="eval.gates.retention.*nothing to judge"):
         make_config(gates={"domain": {"min": 0}, "general": {"min": 0}, "retention": {"max_drop": 0}}, benchmarks=())
     make_config(gates={"mmlu": {"min": 0.3}, "retention": {"max_drop": 0.05}})  # a benchmark gate: accepted
+    make_config(gates={"mmlu": {"metric": "acc", "min": 0.3}})  # its own metric named: accepted
+
+
+def test_a_gate_key_typo_gets_the_key_meant():
+    with pytest.raises(ConfigError, match=r"unknown key 'eval.gates.mmlu.max_drp' \(did you mean "
+                                          r"eval.gates.mmlu.max_drop\?\)"):
+        make_config(gates={"mmlu": {"max_drp": 0.1}})
 
 
 # --- sweep specs and the CLI ---------------------------------------------------------------------------------------

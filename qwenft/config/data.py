@@ -17,6 +17,16 @@ FORMAT_FIELDS = {
     "sharegpt": ("conversations", "from", "value", "system"),
     "text": ("text",),
 }
+FILE_TYPES = ("json", "jsonl", "csv", "tsv", "parquet", "txt", "arrow")  # given as format=: a file type, not a shape
+
+
+def format_shape(fmt: str) -> str:
+    """The fields a row of format ``fmt`` needs, in words: ``instruction, output``, ``messages: [{role, content}]``,
+    ``conversations: [{from, value}]``, ``text`` (the optional ones left out)."""
+    fields = FORMAT_FIELDS[fmt]
+    if fmt in ("messages", "sharegpt"):
+        return f"{fields[0]}: [{{{fields[1]}, {fields[2]}}}]"
+    return f"{fields[0]}, {fields[2]}" if fmt == "alpaca" else fields[0]
 
 
 @dataclass
@@ -41,6 +51,9 @@ class DataSource:
     replace: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check(str(self.format).lower().lstrip(".") not in FILE_TYPES, f"data.sources[{self.name}].format", self.format,
+               "the file type comes from the path's extension (.json, .jsonl, .csv, .parquet); format is the shape of "
+               f"its rows, one of: {'; '.join(f'{k} ({format_shape(k)})' for k in FORMAT_FIELDS)}")
         _check_choice(f"data.sources[{self.name}].format", self.format, tuple(FORMAT_FIELDS))
         for key, value in self.replace.items():
             _check(re.fullmatch(r"[^\W\d]\w*", str(key)) is not None and isinstance(value, str),

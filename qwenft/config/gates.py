@@ -8,6 +8,7 @@ config is validated, so a bad gate stops the run before any model loads (exit 2)
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any, Dict, List, Sequence
 
@@ -16,6 +17,15 @@ from qwenft.config.base import ConfigError, _check
 RETENTION = "retention"
 CONDITIONS = ("min", "min_delta", "max_drop")  # tuned >= min; delta >= min_delta; delta >= -max_drop
 GATE_KEYS = ("metric", *CONDITIONS)
+# The built-in benchmarks' metric and lm-eval filter (lm-eval's task YAMLs: mmlu, ceval-valid, gsm8k); a gate's
+# metric on one of them must be the name the report uses: the metric, with ",FILTER" unless the filter is "none".
+BUILTIN_BENCHMARKS = {"mmlu": ("acc", "none"), "ceval": ("acc", "none"), "gsm8k": ("exact_match", "strict-match")}
+
+
+def benchmark_metric(name: str) -> str:
+    """The metric name report.md and metrics.json give a built-in benchmark (``acc``, ``exact_match,strict-match``)."""
+    metric, filter_name = BUILTIN_BENCHMARKS[name]
+    return metric if filter_name == "none" else f"{metric},{filter_name}"
 
 
 def check_gate_values(gates: Dict[str, Any]) -> None:
@@ -30,7 +40,10 @@ def check_gate_values(gates: Dict[str, Any]) -> None:
                "must be a mapping of metric / min / min_delta / max_drop, e.g. {metric: contains_fact, min_delta: 0.2}")
         for key in gate:
             if key not in GATE_KEYS:
-                raise ConfigError(f"unknown key '{where}.{key}'; accepted keys in {where}: {', '.join(GATE_KEYS)}")
+                guess = difflib.get_close_matches(str(key), GATE_KEYS, n=1, cutoff=0.6)
+                hint = f" (did you mean {where}.{guess[0]}?)" if guess else ""
+                raise ConfigError(f"unknown key '{where}.{key}'{hint}; accepted keys in {where}: "
+                                  f"{', '.join(GATE_KEYS)}")
         conditions = [key for key in CONDITIONS if gate.get(key) is not None]
         _check(bool(conditions), where, gate, "needs at least one of min (tuned >= min), min_delta "
                "(tuned - base >= min_delta) or max_drop (tuned - base >= -max_drop)")
@@ -78,7 +91,12 @@ def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: 
             metric = gate.get("metric")
             _check(metric is None or metric in metrics, f"{where}.metric", metric,
                    f"a source is judged on one of eval.metrics: {', '.join(metrics)}")
-        elif name not in benchmarks:
+        elif name in benchmarks:
+            metric = gate.get("metric")
+            if metric is not None and name in BUILTIN_BENCHMARKS:
+                _check(metric == benchmark_metric(name), f"{where}.metric", metric,
+                       f"benchmark {name} reports {benchmark_metric(name)} (drop metric, or set it to that)")
+        else:
             raise ConfigError(f"{where}: no held-out source or benchmark named '{name}'; held-out sources: "
                               f"{', '.join(held_out) or '(none)'}; benchmarks: {', '.join(benchmarks) or '(none)'}; "
                               f"or {RETENTION}")

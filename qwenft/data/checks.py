@@ -5,6 +5,7 @@
 - :func:`placeholder_warning`: answers that still hold ``{{name}}`` (public "identity" files ship this way,
   meant to be filled before training).
 - :func:`eval_share_warning`: ``eval_rows`` holding out more than a third of a source.
+- :func:`eval_rows_for`: ``eval_rows`` larger than a source, clamped with a warning or refused.
 
 The warnings are one line each; the caller logs them.
 """
@@ -12,9 +13,9 @@ The warnings are one line each; the caller logs them.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from qwenft.config import DataSource
+from qwenft.config import ConfigError, DataSource
 
 # {{name}} or {{ name }}: an identifier only, so template code such as Go's {{.Name}} or Jinja's
 # {{ user.name }} in a code answer is not taken for a placeholder.
@@ -103,3 +104,36 @@ def eval_share_warning(source: DataSource, index: int, n_rows: int) -> Optional[
         return None
     return (f"{source.name}: eval_rows={held} holds out {held} of its {n_rows} rows ({held / n_rows:.0%}); only "
             f"{n_rows - held} are trained on. Set data.sources.{index}.eval_rows=N for a smaller share")
+
+
+def eval_rows_for(source: DataSource, index: int, n_rows: int) -> Tuple[int, Optional[str]]:
+    """The rows to hold out of ``source`` (``data.sources[index]``), which has ``n_rows`` usable rows.
+
+    ``eval_rows`` when the source has that many rows. When it has fewer (a recipe's default, e.g. the ``domain``
+    recipe's 50, on a small file of the user's), the run goes on with a warning naming the key: a training source
+    (weight > 0) is clamped to a third of its rows (the share :func:`eval_share_warning` allows), so most rows are
+    still trained on; an evaluation-only source (weight 0) is held out entirely. A training source with fewer than
+    3 rows has no such split and is refused.
+
+    Returns:
+        ``(n_eval, warning)``: the rows to hold out and the one-line warning (None when not clamped).
+
+    Raises:
+        ConfigError: a training source too small to hold out a row and still train on one, naming
+            ``data.sources.N.eval_rows`` and its largest valid value.
+    """
+    asked, key = source.eval_rows, f"data.sources.{index}.eval_rows"
+    if asked <= n_rows:
+        return asked, None
+    where = f"{source.name} ({source.path})"
+    if source.weight <= 0:
+        return n_rows, (f"{where}: {key}={asked} is more than its {n_rows} usable rows; clamped to {n_rows} "
+                        "(an evaluation-only source, weight 0: every row held out)")
+    clamped = n_rows // 3  # MAX_EVAL_SHARE of the rows, rounded down
+    if clamped < 1:
+        largest = max(n_rows - 1, 0)
+        raise ConfigError(f"{key}={asked}: source {where} has only {n_rows} usable rows; the largest valid value is "
+                          f"{largest} (at least one row must be left to train on); or set "
+                          f"data.sources.{index}.weight=0 to only evaluate on it")
+    return clamped, (f"{where}: {key}={asked} is more than its {n_rows} usable rows; clamped to {clamped} (a third), "
+                     f"leaving {n_rows - clamped} rows for training; set {key}=N (at most {n_rows - 1}) to choose")

@@ -51,7 +51,7 @@ def _source_table(stats: Dict[str, Any]):
                   title_justify="left", box=None, pad_edge=False)
     for column in ("source", "read", "skipped", "eval", "usable", "trunc.", "dropped", "used", "repeats",
                    "target", "achieved"):
-        table.add_column(column, justify="left" if column == "source" else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column == "source" else "right", no_wrap=True, overflow="fold")
     for name, c in stats["sources"].items():
         table.add_row(name, str(c["rows_read"]), str(c["skipped"]), str(c["eval"]), str(c["usable"]),
                       str(c["truncated"]), str(c["dropped"]), str(c["used"]), str(c["repeats"]),
@@ -83,18 +83,15 @@ def preview(config: Config) -> None:
     Raises:
         QwenftError: a bad model source or bad data (one line, exit 2 through the CLI).
     """
-    from rich.console import Console
-
     from qwenft.data.pipeline import build
+    from qwenft.logfilter import result_console
     from qwenft.model import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(config.model)
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     bundle = build(config, tokenizer)
     stats = bundle.stats
-    console = Console(highlight=False)
-    if not console.is_terminal:  # a log or a pipe: wide enough for the table instead of 80 columns
-        console = Console(highlight=False, width=120)
+    console = result_console(highlight=False)  # not a terminal: full width (COLUMNS when set), no cell cut
     console.print(_source_table(stats))
     tokens = stats["tokens"]
     ratio = " : ".join(f"{c['used']}" for c in stats["sources"].values() if c["weight"] > 0)

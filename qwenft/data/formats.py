@@ -20,11 +20,13 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from qwenft.config import FORMAT_FIELDS, QwenftError
+from qwenft.config.data import format_shape
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system"}
 CHAT_ROLES = ("system", "user", "assistant")
 TURN_FORMATS = ("messages", "sharegpt")  # FORMAT_FIELDS[fmt][:3]: the list of turns, its role key, its content key
+REQUIRED = {fmt: (names[0], names[2]) if fmt == "alpaca" else names[:1] for fmt, names in FORMAT_FIELDS.items()}
 
 
 class DataError(QwenftError):
@@ -132,7 +134,7 @@ def _alpaca(record: Dict[str, Any], columns: Dict[str, str]) -> List[Dict[str, s
     return messages
 
 
-def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str) -> List[Dict[str, str]]:
+def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str, key: str) -> List[Dict[str, str]]:
     list_name, role_name, content_name = FORMAT_FIELDS[fmt][:3]  # the list field, then its turns' two keys
     role_key, content_key = columns.get(role_name, role_name), columns.get(content_name, content_name)
     label = _label(columns, list_name)
@@ -147,10 +149,11 @@ def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str) -> List[Di
         if not isinstance(turn, dict):
             raise DataError(f"must be an object with '{role_key}' and '{content_key}', got {_short(turn)}",
                             field=where)
-        for key in (role_key, content_key):
-            if key not in turn:
-                raise DataError(f"missing; the turn has fields: {', '.join(map(str, turn)) or '(none)'}",
-                                field=f"{where}.{key}")
+        for name in (role_key, content_key):
+            if name not in turn:
+                raise DataError(f"missing; the turn has fields: {', '.join(map(str, turn)) or '(none)'}"
+                                f"{_turns_hint(turn, fmt, columns.get(list_name, list_name), key)}",
+                                field=f"{where}.{name}")
         role = turn[role_key]
         accepted = CHAT_ROLES if fmt == "messages" else tuple(SHAREGPT_ROLES)
         if role not in accepted:
@@ -159,6 +162,55 @@ def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str) -> List[Di
         messages.append({"role": role, "content": _string(turn[content_key], f"{where}.{content_key}", True),
                          "_field": f"{where}.{content_key}", "_role_field": f"{where}.{role_key}"})
     return messages
+
+
+def _turn_format(turn: Any) -> Optional[str]:
+    """The turn format whose role and content keys ``turn`` has (their usual names), else None."""
+    for fmt in TURN_FORMATS:
+        if isinstance(turn, dict) and all(name in turn for name in FORMAT_FIELDS[fmt][1:3]):
+            return fmt
+    return None
+
+
+def _turns_hint(turn: Any, fmt: str, list_key: str, key: str) -> str:
+    """``; the turns look like the messages format's (role, content): set ...`` when ``turn`` has the other turn
+    format's keys, else ''. ``list_key``: the file's name of the list of turns; ``key``: the source's config key."""
+    shape = _turn_format(turn)
+    if shape is None or shape == fmt:
+        return ""
+    name = FORMAT_FIELDS[shape][0]
+    columns = f" '{key}.columns={{{name}: {list_key}}}'" if list_key != name else ""
+    return (f"; the turns look like the {shape} format's ({', '.join(FORMAT_FIELDS[shape][1:3])}): set "
+            f"{key}.format={shape}{columns}")
+
+
+def field_hint(record: Dict[str, Any], fmt: str, columns: Dict[str, str], key: str) -> str:
+    """The way forward for ``record``, which lacks a field format ``fmt`` needs (``key``: the source's config key).
+
+    Returns:
+        ``; it looks like the sharegpt format (conversations: [{from, value}]): set data.sources.0.format=sharegpt``
+        when the record has another format's fields under their usual names (with a ``columns`` mapping when its
+        list holds the other turn format's turns); else ``; map the file's fields ... with
+        'data.sources.0.columns={instruction: FIELD, output: FIELD}'`` unless ``columns`` maps them already; or ''.
+    """
+    for other in FORMAT_FIELDS:
+        if other == fmt or not all(name in record for name in REQUIRED[other]):
+            continue
+        if other in TURN_FORMATS:
+            turns = record[REQUIRED[other][0]]
+            shape = _turn_format(turns[0] if isinstance(turns, list) and turns else None)
+            list_key = REQUIRED[other][0]
+            if shape == fmt:  # this format's turns under the other format's list name
+                return (f"; its '{list_key}' holds {fmt} turns: map it with "
+                        f"'{key}.columns={{{REQUIRED[fmt][0]}: {list_key}}}'")
+            if shape is not None and shape != other:  # e.g. "conversations" holding {role, content} turns
+                return _turns_hint(turns[0], other, list_key, key)
+        return f"; it looks like the {other} format ({format_shape(other)}): set {key}.format={other}"
+    mapping = {**columns, **{name: "FIELD" for name in REQUIRED[fmt] if name not in columns}}
+    if len(mapping) == len(columns):
+        return ""
+    return (f"; map the file's fields to the {fmt} format's ({format_shape(fmt)}) with "
+            f"'{key}.columns={{{', '.join(f'{name}: {field}' for name, field in mapping.items())}}}'")
 
 
 def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
@@ -190,24 +242,30 @@ def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
     return plain
 
 
-def normalise(record: Any, fmt: str, columns: Dict[str, str]) -> Tuple[List[Dict[str, str]], Optional[str],
-                                                                        Dict[str, Any]]:
+def normalise(record: Any, fmt: str, columns: Dict[str, str],
+              key: str = "data.sources.N") -> Tuple[List[Dict[str, str]], Optional[str], Dict[str, Any]]:
     """Turn one record into ``(messages, text, meta)``.
 
     Args:
         record: one row of the file (a dict).
         fmt: ``alpaca`` | ``messages`` | ``sharegpt`` | ``text``.
         columns: format field -> the file's field name.
+        key: the source's config key (``data.sources.0``), for the way forward a missing field's error gives.
 
     Returns:
         ``messages`` (validated ``[{role, content}]``, empty for ``text``), ``text`` (``None`` unless
         ``fmt == "text"``) and ``meta``: the record's other fields (e.g. an id used by ``eval_by``).
 
     Raises:
-        DataError: naming the field (the caller adds file and row).
+        DataError: naming the field (the caller adds file and row). A missing field's error says which format the
+            row looks like when it fits another one, else how ``columns`` maps the file's fields (:func:`field_hint`).
     """
     if not isinstance(record, dict):
         raise DataError(f"expected an object (a row with named fields), got {describe(record)}")
+    for name in REQUIRED[fmt]:
+        if columns.get(name, name) not in record:
+            raise DataError(f"missing; the row has fields: {', '.join(map(str, record)) or '(none)'}"
+                            f"{field_hint(record, fmt, columns, key)}", field=_label(columns, name))
     used = {columns.get(name, name) for name in top_level_fields(fmt)}
     meta = {k: v for k, v in record.items() if k not in used}
     if fmt == "text":
@@ -215,7 +273,7 @@ def normalise(record: Any, fmt: str, columns: Dict[str, str]) -> Tuple[List[Dict
         if not text:
             raise DataError("empty text", field=_label(columns, "text"))
         return [], text, meta
-    messages = _alpaca(record, columns) if fmt == "alpaca" else _turns(record, columns, fmt)
+    messages = _alpaca(record, columns) if fmt == "alpaca" else _turns(record, columns, fmt, key)
     return check_conversation(messages), None, meta
 
 

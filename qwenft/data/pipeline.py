@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, DataConfig, DataSource
-from qwenft.data.checks import eval_share_warning, placeholder_warning, skipped_lines
+from qwenft.data.checks import eval_rows_for, eval_share_warning, placeholder_warning, skipped_lines
 from qwenft.data.collate import Packing, pack_examples, packing_of
 from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, mix_counts, split_eval
 from qwenft.data.read import read_rows
-from qwenft.data.template import IGNORE_INDEX, encode_many, prompt_ids
+from qwenft.data.template import IGNORE_INDEX, encode_many, prompt_ids, system_counts, trained_system
 from qwenft.files import staging_dir
 
 log = logging.getLogger(__name__)
@@ -292,13 +292,14 @@ def build(config: Config, tokenizer) -> DataBundle:
         truncated, dropped, used, weight, share target and achieved), ``train_examples``, ``train_rows``
         (packed rows, or examples), ``eval_examples``, ``tokens`` (p50 / p95 / max / mean length of the
         used examples before truncation), ``truncated``, ``dropped``, ``skipped``, ``supervised_share``
-        (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)) and
-        ``cache_hits`` / ``cache_misses``.
+        (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)),
+        ``cache_hits`` / ``cache_misses`` and ``system_prompt`` (the one most training examples carried and its
+        share, :func:`qwenft.data.template.trained_system`).
 
     Raises:
-        ConfigError: no sources.
+        ConfigError: no sources; ``eval_rows`` larger than a training source of under 3 rows (:func:`eval_rows_for`).
         DataError: bad data (see :func:`qwenft.data.read_source`), a row with no supervised token (unless
-            ``on_bad_row=skip``), ``eval_rows`` larger than a source, a weighted source left with no rows.
+            ``on_bad_row=skip``), a weighted source left with no rows.
     """
     import datasets
 
@@ -311,15 +312,17 @@ def build(config: Config, tokenizer) -> DataBundle:
     usable: Dict[str, Any] = {}
     held_out: Dict[str, Any] = {}
     eval_rows: Dict[str, List[dict]] = {}
+    systems: Dict[str, Dict[Optional[str], int]] = {}  # per source: system prompt -> rows trained with it
     hits = misses = 0
     for index, src in enumerate(dcfg.sources):
-        rows, skipped, unit = read_rows(src, dcfg.on_bad_row)
+        rows, skipped, unit = read_rows(src, dcfg.on_bad_row, index)
         for line in skipped_lines(src.name, skipped, len(rows) + len(skipped)):  # before any other check
             log.warning("%s", line)
-        for warning in (placeholder_warning(rows, src, index), eval_share_warning(src, index, len(rows))):
+        n_eval, clamped = eval_rows_for(src, index, len(rows))  # more than the source has: clamped or refused
+        for warning in (clamped, placeholder_warning(rows, src, index), eval_share_warning(src, index, len(rows))):
             if warning:
                 log.warning("%s", warning)
-        held, kept = split_eval(rows, src.eval_rows, dcfg.seed, src.name, src.eval_by)
+        held, kept = split_eval(rows, n_eval, dcfg.seed, src.name, src.eval_by)
         counts = {"path": src.path, "format": src.format, "rows_read": len(rows) + len(skipped),
                   "skipped": len(skipped), "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
         if held:
@@ -328,6 +331,7 @@ def build(config: Config, tokenizer) -> DataBundle:
             eval_rows[src.name] = _with_ids(held, encoded, tokenizer, dcfg.system_prompt)
             held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
         if src.weight > 0:
+            systems[src.name] = system_counts(kept, dcfg.system_prompt)
             encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
             hits, misses = hits + hit, misses + (not hit)
             usable[src.name] = _usable(encoded, dcfg, counts, src.name)
@@ -370,7 +374,7 @@ def build(config: Config, tokenizer) -> DataBundle:
         "skipped": sum(c["skipped"] for c in per_source.values()),
         "supervised_share": round(n_supervised / max(n_tokens, 1), 6), "packing": dcfg.packing,
         "pack_fill": round(n_tokens / (len(train) * dcfg.max_seq_len), 6) if dcfg.packing else None,
-        "cache_hits": hits, "cache_misses": misses,
+        "cache_hits": hits, "cache_misses": misses, "system_prompt": trained_system(systems, counts_used),
     }
     log.info("data: %d training examples (%s), %d eval; tokens p50 %d p95 %d max %d; %d truncated, %d dropped",
              total, ", ".join(f"{n} {c['used']}" for n, c in per_source.items()), len(eval_ds),

@@ -32,6 +32,20 @@ def resolve_path(path: str) -> Path:
     return resolved if resolved.is_absolute() else Path.cwd() / resolved
 
 
+def near_file(path: str) -> str:
+    """``; did you mean NAME?`` naming a data file beside ``path`` (resolved, :func:`resolve_path`) whose name is
+    close to its name (a typo such as ``qa.cvs`` for ``qa.csv``), else ''."""
+    import difflib
+
+    resolved = resolve_path(path)
+    try:
+        names = [p.name for p in resolved.parent.iterdir() if p.suffix.lower() in FILE_SUFFIXES + (".txt",)]
+    except OSError:  # no such folder, or not readable
+        return ""
+    match = difflib.get_close_matches(resolved.name, names, n=1, cutoff=0.75)
+    return f"; did you mean {Path(path).with_name(match[0])}?" if match else ""
+
+
 def _looks_local(path: str) -> bool:
     """A file path rather than a Hugging Face dataset id (``name`` or ``owner/name``)."""
     data_suffixes = FILE_SUFFIXES + (".txt", ".tsv", ".gz", ".zip", ".arrow", ".xlsx")
@@ -71,7 +85,7 @@ def file_bytes(path: str) -> Tuple[bytes, int]:
     resolved = resolve_path(path)
     if not resolved.exists():
         raise DataError(f"no such file (resolved to {resolved}; relative paths are resolved against the "
-                        f"directory the command runs from, {Path.cwd()})", file=path)
+                        f"directory the command runs from, {Path.cwd()}){near_file(path)}", file=path)
     if resolved.is_dir():
         raise DataError("is a directory; expected a file", file=path)
     try:
@@ -167,8 +181,9 @@ def _hub(source: DataSource) -> Iterator[Record]:
         dataset = datasets.load_dataset(source.path, source.subset, split=source.split)
     except Exception as exc:  # offline cache miss, unknown id, bad split: all reported the same way
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"not a local file, and not loadable as a Hugging Face dataset "
-                        f"(subset={source.subset}, split={source.split}): {reason}", file=source.path) from None
+        raise DataError(f"no such local file (resolved to {resolve_path(source.path)}), and not loadable as a "
+                        f"Hugging Face dataset id (subset={source.subset}, split={source.split}): {reason}"
+                        f"{near_file(source.path)}", file=source.path) from None
     return iter(enumerate(dataset, start=1))
 
 
@@ -206,8 +221,10 @@ def records(source: DataSource) -> Tuple[Iterator[Record], str, str]:
     return iterator, unit, file
 
 
-def read_rows(source: DataSource, on_bad_row: str = "error") -> Tuple[List[dict], List[str], str]:
-    """:func:`read_source` with more detail.
+def read_rows(source: DataSource, on_bad_row: str = "error",
+              index: Optional[int] = None) -> Tuple[List[dict], List[str], str]:
+    """:func:`read_source` with more detail; ``index``: the source's place in ``data.sources``, for the overrides
+    a missing field's error suggests (``data.sources.N.format=...``).
 
     Every text of a record gets ``source.replace`` filled in first (``{{name}}`` -> its value).
 
@@ -219,6 +236,7 @@ def read_rows(source: DataSource, on_bad_row: str = "error") -> Tuple[List[dict]
         DataError: see :func:`read_source`; with ``on_bad_row=skip``, every row skipped (naming the first).
     """
     iterator, unit, file = records(source)
+    key = f"data.sources.{'N' if index is None else index}"
     rows: List[dict] = []
     skipped: List[str] = []
     used: Set[str] = set()
@@ -228,7 +246,7 @@ def read_rows(source: DataSource, on_bad_row: str = "error") -> Tuple[List[dict]
                 raise record
             if source.replace:
                 record = fill(record, source.replace, used)
-            messages, text, meta = normalise(record, source.format, source.columns)
+            messages, text, meta = normalise(record, source.format, source.columns, key)
         except DataError as exc:
             error = exc.located(file, number, unit)
             if on_bad_row == "error":

@@ -62,6 +62,39 @@ def with_system(messages: Sequence[Dict[str, str]], system_prompt: Optional[str]
     return messages
 
 
+def system_counts(rows: Sequence[dict], system_prompt: Optional[str]) -> Dict[Optional[str], int]:
+    """How many of ``rows`` (normalised rows; ``text`` rows, without messages, are not counted) are trained with
+    each system prompt: the row's own system turn, else ``system_prompt`` (:func:`with_system`); None stands for
+    the template's default (no system turn and ``system_prompt`` None)."""
+    counts: Dict[Optional[str], int] = {}
+    for row in rows:
+        messages = row.get("messages") or []
+        if messages:
+            system = messages[0]["content"] if messages[0]["role"] == "system" else system_prompt
+            counts[system] = counts.get(system, 0) + 1
+    return counts
+
+
+def trained_system(counts: Dict[str, Dict[Optional[str], int]], used: Dict[str, int]) -> Optional[dict]:
+    """The system prompt most of the training examples carried, from each source's :func:`system_counts` scaled
+    to the examples the mix took from it (``used``, :func:`qwenft.data.mix_counts`).
+
+    Returns:
+        ``{"text": prompt or None (the template's default), "share": fraction of the examples (0-1)}``, or None
+        when no conversation was trained on.
+    """
+    total: Dict[Optional[str], float] = {}
+    for name, by_prompt in counts.items():
+        rows = sum(by_prompt.values())
+        for prompt, n in by_prompt.items():
+            total[prompt] = total.get(prompt, 0.0) + used.get(name, 0) * n / max(rows, 1)
+    examples = sum(total.values())
+    if not examples:
+        return None
+    text = max(total, key=lambda k: total[k])  # ties: the first seen (dicts keep insertion order)
+    return {"text": text, "share": round(total[text] / examples, 6)}
+
+
 def _render(tokenizer, messages: Sequence[Dict[str, str]], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, QwenftError
+from qwenft.config.gates import BUILTIN_BENCHMARKS
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +87,32 @@ def _answer(value: str, path: Path, row: int) -> int:
     return LETTERS.index(value)
 
 
+MMLU_FIELDS = ("question", "A", "B", "C", "D", "answer")
+SHOTS = 5  # few-shot examples of every built-in benchmark (MMLU's and C-Eval's papers; lm-eval's gsm8k.yaml)
+
+
+def _nonempty(row: Dict[str, str], names, path: Path, number: int) -> None:
+    for name in names:
+        if not str(row.get(name, "")).strip():
+            raise QwenftError(f"{path}: row {number}: field '{name}': empty")
+
+
 def read_mmlu(path: Path) -> List[dict]:
     """MMLU's published CSV (no header: question, A, B, C, D, answer letter) as cais/mmlu rows:
     ``{question, choices [4], answer (0-3)}``.
 
     Raises:
-        QwenftError: a row without 6 fields or an answer that is not A-D, naming the file, row and field.
+        QwenftError: a row without exactly 6 fields, an empty question or choice, or an answer that is not A-D,
+            naming the file, row and field.
     """
     out = []
     for number, fields in enumerate(_csv_rows(path, header=False), start=1):
-        if len(fields) < 6:
-            missing = ["question", "A", "B", "C", "D", "answer"][len(fields)]
-            raise QwenftError(f"{path}: row {number}: field '{missing}': missing (MMLU rows are question, A, B, C, "
-                              f"D, answer letter; this row has {len(fields)} fields)")
+        if len(fields) != 6:
+            what = (f"field '{MMLU_FIELDS[len(fields)]}': missing" if len(fields) < 6 else
+                    f"{len(fields)} fields, one too many at least (a comma inside a field needs the field quoted)")
+            raise QwenftError(f"{path}: row {number}: {what} (MMLU rows are question, A, B, C, D, answer letter; "
+                              f"this row has {len(fields)} fields)")
+        _nonempty(dict(zip(MMLU_FIELDS, fields)), MMLU_FIELDS[:5], path, number)
         out.append({"question": fields[0], "choices": fields[1:5], "answer": _answer(fields[5], path, number)})
     return out
 
@@ -119,6 +133,7 @@ def read_ceval(path: Path) -> List[dict]:
     out = []
     for number, fields in enumerate(rows[1:], start=2):
         row = dict(zip(header, fields))
+        _nonempty(row, ("question", "A", "B", "C", "D"), path, number)
         _answer(row.get("answer", ""), path, number)
         out.append({"id": row.get("id", str(number - 2)), "question": row["question"], "A": row["A"], "B": row["B"],
                     "C": row["C"], "D": row["D"], "answer": row["answer"].strip(),
@@ -185,12 +200,18 @@ def _multiple_choice(name: str, folder: Path, scored: str, reader, yaml_of) -> D
             raise ConfigError(f"eval.benchmarks: {name}: {dev} is missing (the subject's 5 shots)")
         split = {"mmlu": "test", "ceval": "val"}[name]
         rows = {split: reader(folder / scored / f"{subject}_{scored}.csv"), "dev": reader(dev)}
+        if not rows[split]:
+            raise ConfigError(f"eval.benchmarks: {name}: {folder / scored / f'{subject}_{scored}.csv'}: no "
+                              "questions (an empty file); remove it or give it rows")
+        if len(rows["dev"]) < SHOTS:
+            raise ConfigError(f"eval.benchmarks: {name}: {dev}: {len(rows['dev'])} rows; the {SHOTS}-shot prompt "
+                              f"takes the subject's first {SHOTS}")
         try:
             config = yaml_of(subject)
         except FileNotFoundError:  # a file named after a subject lm-eval's task does not define
             raise ConfigError(f"eval.benchmarks: {name}: {folder / scored / f'{subject}_{scored}.csv'}: "
                               f"{subject!r} is not a subject of lm-eval's {name} task") from None
-        config.update(custom_dataset=_loader(rows), num_fewshot=5)
+        config.update(custom_dataset=_loader(rows), num_fewshot=SHOTS)
         tasks[config["task"]] = config
     return tasks
 
@@ -207,13 +228,18 @@ def _builtin(name: str, folder: Path) -> Dict[str, Dict[str, Any]]:
         if not (folder / f"{split}.jsonl").is_file():
             raise ConfigError(f"eval.benchmarks: gsm8k: {folder / f'{split}.jsonl'} is missing")
     config = _lm_eval_yaml("gsm8k/gsm8k.yaml")
-    config.update(custom_dataset=_loader({"train": read_gsm8k(folder / "train.jsonl"),
-                                          "test": read_gsm8k(folder / "test.jsonl")}),
+    splits = {split: read_gsm8k(folder / f"{split}.jsonl") for split in ("train", "test")}
+    if len(splits["train"]) < SHOTS or not splits["test"]:
+        short = "train" if len(splits["train"]) < SHOTS else "test"
+        raise ConfigError(f"eval.benchmarks: gsm8k: {folder / f'{short}.jsonl'}: {len(splits[short])} rows; "
+                          + (f"the {SHOTS}-shot prompt takes its first {SHOTS}" if short == "train" else
+                             "no questions"))
+    config.update(custom_dataset=_loader(splits),
                   fewshot_config={"sampler": "first_n"})
     return {config["task"]: config}
 
 
-BUILTIN = {"mmlu": ("acc", "none"), "ceval": ("acc", "none"), "gsm8k": ("exact_match", "strict-match")}
+BUILTIN = BUILTIN_BENCHMARKS  # name -> (metric, filter): one home, qwenft.config.gates
 
 
 def data_folder(name: str, dirs: List[str]) -> Path:
@@ -316,6 +342,18 @@ class _CustomDatasetNotice(logging.Filter):
         return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
 
 
+def _warn_subtasks(config: Config, name: str, available: int) -> None:
+    """A warning when ``eval.bench_subtasks`` asks for more subjects than there are, or than ``eval.bench_limit``
+    questions can reach (one question per subject at most then)."""
+    wanted, limit = config.eval.bench_subtasks, config.eval.bench_limit
+    if wanted and wanted > available:
+        log.warning("eval.bench_subtasks=%d but %s has %d subtasks: all %d are used", wanted, name, available,
+                    available)
+    if wanted and limit and limit < min(wanted, available):
+        log.warning("eval.bench_limit=%d < eval.bench_subtasks=%d: %s draws one question from each of %d subtasks",
+                    limit, wanted, name, limit)
+
+
 def prepare(config: Config) -> List[Benchmark]:
     """Resolve ``eval.benchmarks`` into lm-eval tasks with their questions chosen, before any model loads.
 
@@ -343,13 +381,14 @@ def prepare(config: Config) -> List[Benchmark]:
                     raise ConfigError(f"eval.benchmarks: {name}: lm-eval rejected task {task_name}: "
                                       f"{type(error).__name__}: {error}") from None
             metric, filter_name = BUILTIN[name]
-            source, shots = str(folder), 5
+            source, shots = str(folder), SHOTS
         else:
             tasks = _registry(config, name)
             metric, filter_name = _metric_of(next(iter(tasks.values())))
             source, shots = config.eval.bench_tasks or "lm-eval registry", None
-        samples = select({t: _docs(task) for t, task in tasks.items()}, config.eval.bench_limit, config.eval.bench_seed,
-                         config.eval.bench_subtasks)
+        counts = {t: _docs(task) for t, task in tasks.items()}
+        samples = select(counts, config.eval.bench_limit, config.eval.bench_seed, config.eval.bench_subtasks)
+        _warn_subtasks(config, name, len(counts))
         tasks = {t: task for t, task in tasks.items() if t in samples}
         bench = Benchmark(name, tasks, samples, metric, filter_name, source, shots)
         log.info("benchmark %s: %d questions from %d subtasks (%s)", name, bench.questions, bench.subjects, source)

@@ -73,6 +73,7 @@ def _plot_metrics(sources: Dict[str, Dict[str, Dict[str, float]]], metrics: List
             if any(by.get(side, {}).get(m) is not None for side in ("base", "tuned"))]  # n/a metrics: no bar
     if not bars:
         return None
+    sides = [s for s in ("base", "tuned") if any(s in by for by in sources.values())]  # base-only: one bar each
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,8 +81,11 @@ def _plot_metrics(sources: Dict[str, Dict[str, Dict[str, float]]], metrics: List
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(bars)), 3.5))
     xs = range(len(bars))
-    ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], width=0.4, label="base")
-    ax.bar([x + 0.2 for x in xs], [b[2] or 0 for b in bars], width=0.4, label="tuned")
+    width = 0.8 / len(sides)
+    for k, side in enumerate(sides):
+        offset = (k - (len(sides) - 1) / 2) * width
+        ax.bar([x + offset for x in xs], [b[1 + ("base", "tuned").index(side)] or 0 for b in bars], width=width,
+               label=side)
     ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
     ax.set_ylim(0, 1)
     ax.legend()
@@ -151,6 +155,13 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
     if tuned:
         adapter_dir = Path(config.adapter).expanduser() if config.adapter else Path(config.out_dir) / "adapter"
         lines += [f"- adapter: `{config.adapter or adapter_dir}`", adapter_line(config, adapter_dir)]
+        from qwenft.model.adapter import data_mismatch
+
+        trained = data_mismatch(config, _json_file(adapter_dir / "qwenft.json"))
+        if trained:  # data.sources / +recipe typed for `eval`: say so where the numbers are read
+            lines.append(f"- **held-out data is not the adapter's training data**: this evaluation read "
+                         f"{', '.join(f'{s.name} ({s.path})' for s in config.data.sources)}; the adapter was "
+                         f"trained on {trained}")
     else:
         lines += ["- adapter: none (the base model alone)"]
     if metrics.get("memory"):  # each phase's peak (qwenft.runtime.peak_memory)
@@ -174,12 +185,17 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
         lines += [f"![metrics]({plots['metrics'].name})", ""]
     lines += benchmark_lines(ev.get("benchmarks"))
     if ev["perplexity"]:
+        both = any("ratio" in by_side for by_side in ev["perplexity"].values())
+        sides = ["base", "tuned"] if both else [s for s in ("base", "tuned")
+                                                  if any(s in by for by in ev["perplexity"].values())]
+        header = ["text", "tokens", *sides, *(["tuned / base"] if both else [])]
         lines += ["## Perplexity (lower is better; answers: supervised tokens only)", "",
-                  "| text | tokens | base | tuned | tuned / base |", "|---|---|---|---|---|"]
+                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for name, by_side in ev["perplexity"].items():
             tokens = next(iter(v for k, v in by_side.items() if k != "ratio"))["tokens"]
-            lines.append(f"| {name} | {tokens} | {_fmt(by_side.get('base', {}).get('perplexity'))} | "
-                         f"{_fmt(by_side.get('tuned', {}).get('perplexity'))} | {_fmt(by_side.get('ratio'))} |")
+            cells = [name, str(tokens), *(_fmt(by_side.get(s, {}).get("perplexity")) for s in sides),
+                     *([_fmt(by_side.get("ratio"))] if both else [])]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += flip_lines(flips)
     n = config.eval.samples_in_report
@@ -248,9 +264,10 @@ def _log_wandb(config: Config, metrics: Dict[str, Any], report: Dict[str, Any]) 
 
     if wandb.run is None:
         return
-    table = wandb.Table(columns=["source", "metric", "base", "tuned", "delta"])
+    sides = [s for s in SIDES if any(s in by for by in report["sources"].values())]  # base-only: no tuned column
+    table = wandb.Table(columns=["source", "metric", *sides])
     for source, by_side in report["sources"].items():
         for name in by_side.get("base", by_side.get("tuned", {})):
-            table.add_data(source, name, *(by_side.get(s, {}).get(name) for s in SIDES))
+            table.add_data(source, name, *(by_side.get(s, {}).get(name) for s in sides))
     wandb.log({"eval/report": table})
     log_verdict(wandb, metrics["eval"])

@@ -202,10 +202,14 @@ def benchmark_lines(benchmarks: Optional[Dict[str, Dict[str, Any]]]) -> List[str
     """report.md's "Benchmarks" section from ``report["benchmarks"]``; no lines when there are none.
 
     Table ``| benchmark | n | base | tuned | delta | 95% CI |`` (the CI of the paired difference tuned - base), then
-    the CI methods used.
+    the CI methods used; without a tuned side (``eval`` without ``adapter=``) ``| benchmark | metric | n | base |``.
     """
     if not benchmarks:
         return []
+    if not any("tuned" in b for b in benchmarks.values()):  # the base alone: no empty tuned / delta / CI columns
+        return ["## Benchmarks", "", "| benchmark | metric | n | base |", "|---|---|---|---|",
+                *(f"| {name} | {b.get('metric')} | {b.get('n')} | {_num(b.get('base'))} |"
+                  for name, b in benchmarks.items()), ""]
     lines = ["## Benchmarks", "", "| benchmark | metric | n | base | tuned | delta | 95% CI |",
              "|---|---|---|---|---|---|---|"]
     for name, b in benchmarks.items():

@@ -27,6 +27,8 @@ from qwenft.files import atomic_write_text
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+LINE_SHAPE = ('one JSON object per line: {"prompt": "your question"} or {"messages": [{"role": "user", '
+              '"content": "..."}]}')  # what a prompts file holds, for its errors
 
 
 def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
@@ -40,11 +42,11 @@ def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
         QwenftError: a missing or empty file, a file that is not UTF-8 (file, line and byte offset named, as for
             data files), or a bad line; the message names the file, the line and the field.
     """
-    from qwenft.data.read import read_text
+    from qwenft.data.read import near_file, read_text, resolve_path
 
     file = Path(path).expanduser()
     if not file.is_file():
-        raise QwenftError(f"prompts_file={path!r}: no such file")
+        raise QwenftError(f"prompts_file={path!r}: no such file (resolved to {resolve_path(path)}){near_file(path)}")
     rows = []
     text = read_text(str(file))  # the data files' reader: a byte-order mark removed, UTF-8 checked
     for number, line in enumerate(text.split("\n"), start=1):
@@ -54,9 +56,11 @@ def read_prompts(path: str) -> List[Tuple[int, Dict[str, Any]]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise QwenftError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+            raise QwenftError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno}); a prompts file holds "
+                              f"{LINE_SHAPE}") from None
         if not isinstance(row, dict):
-            raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field")
+            raise QwenftError(f"{where}: expected a JSON object with a 'prompt' or 'messages' field; a prompts file "
+                              f"holds {LINE_SHAPE}")
         _check_row(row, where)
         rows.append((number, row))
     if not rows:

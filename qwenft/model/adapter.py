@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
-from qwenft.config import (Config, ConfigError, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
+from qwenft.config import (Config, ConfigError, DataSource, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
                            TinyModelConfig)
 from qwenft.files import atomic_write_text
 from qwenft.runtime import resolve_dtype
@@ -26,33 +26,54 @@ log = logging.getLogger(__name__)
 def check_adapter_dir(adapter_dir: str) -> Path:
     """The adapter directory as a Path; call it before loading a model so a typo fails at once.
 
+    A finished run directory (``<run dir>``, which holds ``adapter/``) stands for its ``<run dir>/adapter``: the
+    returned path is that one, and one INFO line says so.
+
     Raises:
-        QwenftError: no adapter_config.json in ``adapter_dir`` (it is written by ``python -m qwenft train``).
+        QwenftError: ``adapter_dir`` does not exist, is a file, or holds no adapter_config.json (and no
+            ``adapter/`` with one); the message gives its absolute path and what to pass instead.
     """
     path = Path(adapter_dir).expanduser()
-    if not (path / "adapter_config.json").is_file():
-        raise QwenftError(f"adapter={adapter_dir!r}: no adapter_config.json there; run `python -m qwenft train` "
-                          "first (it writes <run dir>/adapter)")
-    return path
+    where = path.absolute()
+    if (path / "adapter_config.json").is_file():
+        return path
+    if (path / "adapter" / "adapter_config.json").is_file():
+        log.info("adapter=%s is a run directory: using its adapter %s", adapter_dir, path / "adapter")
+        return path / "adapter"
+    expected = ("pass the directory a training run wrote (<run dir>/adapter, or the run directory itself), or run "
+                "`python -m qwenft train` first")
+    if not path.exists():
+        raise QwenftError(f"adapter={adapter_dir}: {where} does not exist; {expected}")
+    if not path.is_dir():
+        raise QwenftError(f"adapter={adapter_dir}: {where} is a file, not a directory; {expected}")
+    if (path / "checkpoints").is_dir():  # a run directory whose training has not finished
+        raise QwenftError(f"adapter={adapter_dir}: {where} is a run directory without adapter/ (its training has "
+                          "not finished): continue it with `python -m qwenft train out_dir=<that directory> "
+                          "train.resume=auto`, or pass one of its checkpoints (<run dir>/checkpoints/checkpoint-N)")
+    raise QwenftError(f"adapter={adapter_dir}: {where} holds no adapter_config.json (nor an adapter/ directory with "
+                      f"one); {expected}")
 
 
 ADAPTER_META = "qwenft.json"
 
 
-def save_adapter_meta(adapter_dir, config: Config) -> None:
+def save_adapter_meta(adapter_dir, config: Config, trained_system: Optional[dict] = None) -> None:
     """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
 
-    Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the
-    run name, the data sources (name and path) and the system prompt trained with (``data.system_prompt``); ``model.dtype`` and ``quant.compute_dtype`` are stored
+    Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the run
+    name, the data (``data``: the data config that decides the held-out rows, a local file's path made absolute;
+    ``data_sources``: name and path) and the system prompt trained with (``system_prompt``, with its
+    ``system_prompt_share`` of the training examples and ``system_prompt_from``: ``rows`` when most rows carried
+    their own system turn, else ``data.system_prompt``); ``model.dtype`` and ``quant.compute_dtype`` are stored
     resolved (``auto`` -> what this machine uses, :func:`resolve_dtype`). Written atomically (temp name, then
     ``os.replace``). Call it in the training process.
 
     Args:
         adapter_dir: The adapter directory (the one holding adapter_config.json); created if missing.
         config: The run's validated config.
+        trained_system: ``{"text", "share"}``, the system prompt most training examples carried
+            (``DataBundle.stats["system_prompt"]``); None: ``data.system_prompt`` is recorded.
     """
-    import dataclasses
-
     from qwenft import __version__
 
     path = Path(adapter_dir).expanduser()
@@ -60,6 +81,7 @@ def save_adapter_meta(adapter_dir, config: Config) -> None:
     # Record the dtypes this run resolved ("auto" depends on the machine; a merge must redo what training did).
     model = dict(dataclasses.asdict(config.model), dtype=resolve_dtype(config.model.dtype))
     quant = dict(dataclasses.asdict(config.quant), compute_dtype=resolve_dtype(config.quant.compute_dtype))
+    system = trained_system or {"text": config.data.system_prompt, "share": None}
     meta = {
         "format": 1,
         "qwenft_version": __version__,
@@ -69,9 +91,29 @@ def save_adapter_meta(adapter_dir, config: Config) -> None:
         "lora": dataclasses.asdict(config.lora),
         "train": dataclasses.asdict(config.train),
         "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],
-        "system_prompt": config.data.system_prompt,
+        "data": _data_record(config),
+        "system_prompt": system["text"],
+        "system_prompt_share": system["share"],
+        "system_prompt_from": "data.system_prompt" if system["text"] == config.data.system_prompt else "rows",
     }
     atomic_write_text(path / ADAPTER_META, json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+
+
+# The data settings that decide which rows are held out and how they are tokenized (not how training ran).
+HELD_OUT_KEYS = ("seed", "max_seq_len", "overlong", "train_on", "on_bad_row")
+
+
+def _data_record(config: Config) -> dict:
+    """``data.sources`` (a local file's path absolute, so ``eval`` finds it from any directory) and
+    :data:`HELD_OUT_KEYS` of ``config.data``."""
+    sources = []
+    for source in config.data.sources:
+        record = dataclasses.asdict(source)
+        local = Path(source.path).expanduser()
+        if local.exists():  # a file read from disk (a Hub dataset id is kept as it is)
+            record["path"] = str(local.resolve())
+        sources.append(record)
+    return {"sources": sources, **{key: getattr(config.data, key) for key in HELD_OUT_KEYS}}
 
 
 def read_adapter_meta(adapter_dir) -> Optional[dict]:
@@ -181,6 +223,58 @@ def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path,
     return _from_meta("model", ModelConfig, meta["model"], source), saved_quant, f"from the adapter's {ADAPTER_META}"
 
 
+def _same_path(path: str) -> str:
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
+def data_mismatch(config: Config, meta: Optional[dict]) -> Optional[str]:
+    """The adapter's training data (``name (path)``, comma-separated) when ``config.data.sources`` reads other
+    files than the ones ``meta`` (its ``qwenft.json``) records; None when they are the same or nothing is recorded."""
+    trained = [d for d in (meta or {}).get("data_sources") or [] if isinstance(d, dict)]
+    if not trained:
+        return None
+    if sorted(_same_path(str(d.get("path"))) for d in trained) == sorted(_same_path(s.path) for s in
+                                                                          config.data.sources):
+        return None
+    return ", ".join(f"{d.get('name')} ({d.get('path')})" for d in trained)
+
+
+def eval_data(config: Config, meta: dict, source: Path, keys: Optional[Set[str]]) -> Config:
+    """``eval`` with an adapter: the data it was trained on (``qwenft.json``'s ``data``: its sources and
+    :data:`HELD_OUT_KEYS`, so the held-out rows are the run's own), unless ``data.sources...``, ``data=`` or a
+    ``+recipe=`` was typed (``keys`` None, a library call: counts as typed); then ``config``'s data is evaluated,
+    with a warning when it is not what the adapter was trained on. A typed ``data.KEY`` of the held-out keys wins.
+
+    Raises:
+        QwenftError: a recorded source file that no longer exists, or invalid recorded values.
+    """
+    recorded = meta.get("data") if isinstance(meta.get("data"), dict) else None
+    typed = keys is None or bool({"data", "recipe"} & keys) or any(k.startswith("data.sources") for k in keys)
+    if recorded is None or typed:
+        trained = data_mismatch(config, meta)
+        if trained:
+            log.warning("NOT THE ADAPTER'S DATA: it was trained on %s, but this evaluation reads %s (%s); drop "
+                        "data.sources / +recipe to evaluate on the run's own held-out rows", trained,
+                        ", ".join(f"{s.name} ({s.path})" for s in config.data.sources),
+                        "typed on the command line" if recorded is not None else f"{source} records no data")
+        return config
+    sources = [_from_meta("data.sources", DataSource, s, source) for s in recorded.get("sources") or []]
+    for i, src in enumerate(sources):
+        if Path(src.path).is_absolute() and not Path(src.path).exists():
+            raise QwenftError(f"{source}: the adapter was trained on data source {src.name!r} at {src.path}, which "
+                              f"no longer exists; evaluate on other data with data.sources.{i}.path=FILE (or the "
+                              "run's +recipe)")
+    held = {k: recorded[k] for k in HELD_OUT_KEYS if k in recorded and f"data.{k}" not in keys}
+    try:
+        data = dataclasses.replace(config.data, sources=sources, **held)
+    except (ConfigError, TypeError) as exc:
+        raise QwenftError(f"{source}: 'data' is not a valid data config ({exc})") from None
+    log.info("eval data from the adapter's %s (what it was trained on): %s", ADAPTER_META,
+             ", ".join(f"{s.name} ({s.path}, {s.eval_rows} rows held out)" for s in sources))
+    return dataclasses.replace(config, data=data)
+
+
 def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> Config:
     """``config`` with the model (and quantization) the adapter was trained on, for eval / generate / inspect.
 
@@ -190,7 +284,9 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
     weights, not which), and so is a typed ``model.rope_scaling`` (else the trained one). The quantization
     (method, double quant, compute dtype) is the trained one except the keys typed (``quant=none`` runs the
     adapter on a 16-bit base); the inference-only ``quant`` keys always come from ``config``. The system prompt
-    the adapter was trained with is used unless ``data.system_prompt`` was typed. Without ``adapter``, or
+    the adapter was trained with (``qwenft.json``'s ``system_prompt``: ``data.system_prompt``, or the system turn
+    most training rows carried) is used unless ``data.system_prompt`` was typed. ``eval`` reads the data the
+    adapter was trained on unless data or a recipe was typed (:func:`eval_data`). Without ``adapter``, or
     without ``qwenft.json``, ``config`` is returned as it is.
 
     Args:
@@ -209,15 +305,15 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
     meta = read_adapter_meta(adapter_dir)
     if meta is None:
         return config
-    trained_on = sorted(str(d.get("path")) for d in meta.get("data_sources") or [] if isinstance(d, dict))
-    now = sorted(str(s.path) for s in config.data.sources)
-    if trained_on and now != trained_on and config.command == "eval":
-        log.warning("the adapter was trained on %s; this evaluation reads %s (set data.sources or the run's "
-                    "+recipe to evaluate on the run's own held-out rows)", ", ".join(trained_on), ", ".join(now))
+    if config.command == "eval":
+        config = eval_data(config, meta, adapter_dir / ADAPTER_META, keys)
     trained_system = meta.get("system_prompt")
     system_typed = config.data.system_prompt is not None if keys is None else "data.system_prompt" in keys
     if not system_typed and isinstance(trained_system, str):
-        log.info("system prompt from the adapter's %s: %r", ADAPTER_META, trained_system)
+        share = meta.get("system_prompt_share")
+        carried = (f", the system turn of {share:.0%} of its training rows" if meta.get("system_prompt_from") == "rows"
+                   and isinstance(share, (int, float)) else "")
+        log.info("system prompt from the adapter's %s%s: %r", ADAPTER_META, carried, trained_system)
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, system_prompt=trained_system))
     model, saved_quant, why = resolve_base(config.model, config.quant, adapter_dir, typed=typed)
     model = dataclasses.replace(model, dtype=config.model.dtype, attn_implementation=config.model.attn_implementation)

@@ -4,6 +4,7 @@ base + adapter for inference."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Tuple
 
@@ -17,17 +18,19 @@ log = logging.getLogger(__name__)
 
 
 def prepare_inference(config: Config) -> Config:
-    """``config`` for running an adapter: the directory checked (a typo fails before any load) and the model,
+    """``config`` for running an adapter: the directory checked (a typo fails before any load; a run directory
+    stands for its ``adapter/``, :func:`qwenft.model.adapter.check_adapter_dir`) and the model,
     quantization and system prompt the adapter was trained with, except what the user typed. Without
     ``adapter``, ``config`` as it is. For ``eval``, one warning when vLLM cannot serve the adapter unmerged
     (:func:`qwenft.model.serving.vllm_support`).
 
     Raises:
-        QwenftError: no adapter_config.json in ``config.adapter``; an unreadable ``qwenft.json``.
+        QwenftError: ``config.adapter`` is missing or holds no adapter; an unreadable ``qwenft.json``.
     """
     if not config.adapter:
         return config
-    check_adapter_dir(config.adapter)
+    # a run directory stands for its adapter/: everything after this reads the adapter directory itself
+    config = dataclasses.replace(config, adapter=str(check_adapter_dir(config.adapter)))
     config = inference_config(config)
     meta = read_adapter_meta(config.adapter)
     trained_on = (meta or {}).get("model", {}).get("name")

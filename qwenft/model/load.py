@@ -55,7 +55,11 @@ def load_tokenizer(model_dir: str, revision: Optional[str] = None):
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError) as exc:  # transformers / huggingface_hub report a missing model as these
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        hint = "" if Path(str(model_dir)).is_dir() else (
+        local = Path(str(model_dir)).expanduser()
+        looks_local = str(model_dir).startswith((".", "/", "~")) or str(model_dir).count("/") > 1  # not owner/name
+        hint = "" if local.is_dir() else (
+            (f"; no local directory {local.resolve()} either (a local model: model.source=local model.path=DIR)"
+             if looks_local else "") +
             f"; a Hub model needs the network once, or its files in the HF cache (huggingface-cli download "
             f"{model_dir}); offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}")
         raise QwenftError(f"model {model_dir}: cannot load it ({first[:300]}){hint}") from None

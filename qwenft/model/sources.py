@@ -130,6 +130,8 @@ def resolve_model_dir(mcfg: ModelConfig) -> str:
         return str(tiny_model_dir(mcfg.tiny))
     if mcfg.source == "local":
         path = Path(mcfg.path).expanduser()
+        if not path.exists():
+            raise QwenftError(f"model.path={mcfg.path!r}: does not exist (resolved to {path.resolve()})")
         if not (path / "config.json").is_file():
             raise QwenftError(f"model.path={mcfg.path!r}: no config.json there (model.source=local needs an HF "
                               "model directory, e.g. one written by `python -m qwenft merge`)")

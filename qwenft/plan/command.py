@@ -14,6 +14,7 @@ from typing import Any, Dict
 
 from qwenft.config import Config
 from qwenft.files import atomic_write_text
+from qwenft.logfilter import result_console
 from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
 from qwenft.plan.evaluation import evaluation_memory
 from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, training_weight_bytes, weight_bytes
@@ -143,10 +144,9 @@ def _size(nbytes: float) -> str:
 
 def render(plan: Dict[str, Any], console=None) -> None:
     """Print ``plan`` (from :func:`make_plan`) as rich tables."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or result_console()
     arch, counts, w = plan["model"]["architecture"], plan["parameters"], plan["weights"]
     console.print(f"[bold]{plan['model']['name']}[/bold]  (numbers from {plan['model']['numbers_from']})")
     console.print(f"hidden {arch['hidden_size']}, intermediate {arch['intermediate_size']}, "
@@ -155,7 +155,7 @@ def render(plan: Dict[str, Any], console=None) -> None:
                   f"lm_head {'tied' if arch['tie_word_embeddings'] else 'untied'}")
     table = Table(title="Parameters and weight bytes")
     for col in ("component", "parameters", "bf16", "NF4 (rest 16-bit)", "during training"):
-        table.add_column(col, justify="left" if col == "component" else "right")
+        table.add_column(col, justify="left" if col == "component" else "right", overflow="fold")
     rows = [("embeddings", "embeddings"), ("attention (q/k/v/o)", "attention"), ("attention bias", "attention_bias"),
             ("MLP", "mlp"), ("norms", "norms"), ("lm_head", "lm_head")]
     for label, key in rows:
@@ -178,10 +178,10 @@ def render(plan: Dict[str, Any], console=None) -> None:
                         f"{t['batch_size']} x {t['seq_len']} tokens, "
                         f"quant={t['quant']}, autocast={'bf16' if t['autocast'] else 'off'}, {t['optimizer']}, "
                         f"kernels={t['kernels']}")
-    table.add_column("")
+    table.add_column("", overflow="fold")
     for name in ("with_checkpointing", "without_checkpointing"):
         mark = " (config)" if (name == "with_checkpointing") == t["gradient_checkpointing"] else ""
-        table.add_column(name.replace("_", " ") + mark, justify="right")
+        table.add_column(name.replace("_", " ") + mark, justify="right", overflow="fold")
     labels = [("weights", "weights"), ("LoRA weights (fp32)", "lora_weights"), ("gradients", "gradients"),
               ("optimizer states", "optimizer_states"), ("activations held at the loss", "held_at_loss"),
               ("loss (chunked, no logits tensor)", "loss"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
@@ -204,8 +204,8 @@ def render(plan: Dict[str, Any], console=None) -> None:
     console.print(f"Budget {b['gpu_gb']} GiB - reserve {b['reserve_gb']} GiB: peak {_size(b['peak'])} {verdict}; "
                   f"longest sequence at batch {t['batch_size']}: {b['longest_seq_at_batch']:,} tokens")
     table = Table(title="Largest batch that fits")
-    table.add_column("seq len", justify="right")
-    table.add_column("batch", justify="right")
+    table.add_column("seq len", justify="right", overflow="fold")
+    table.add_column("batch", justify="right", overflow="fold")
     for row in b["largest_batch"]:
         table.add_row(f"{row['seq_len']:,}", str(row["batch_size"]) if row["batch_size"] else "[red]none")
     console.print(table)

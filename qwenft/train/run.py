@@ -157,18 +157,31 @@ def check_resume_config(config: Config, out_dir: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - any YAML / OmegaConf failure is the same user-facing problem
         raise QwenftError(f"{saved_path}: not readable ({exc}); it is written by `python -m qwenft train`") from None
     now = _flatten(dataclasses.asdict(config))
-    differ = [f"{key}={saved[key]!r} in the run, {now[key]!r} now" for key in sorted(now)
-              if key in saved and key.startswith(RESUME_KEYS) and saved[key] != now[key]]
+    keys = [key for key in sorted(now) if key in saved and key.startswith(RESUME_KEYS) and saved[key] != now[key]]
+    differ = [f"{key}={saved[key]!r} in the run, {now[key]!r} now" for key in keys]
+    groups = [("model", "model.name"), ("quant", "quant.method")]  # a preset chosen as model=NAME / quant=NAME
+    chosen = []  # named as typed (model=tiny-random), then the model.* keys it sets
+    for group, name in groups:
+        inside = [key for key in keys if key.startswith(group + ".")]
+        if inside and name in saved and saved[name] != now[name]:
+            detail = ", ".join(f"{key} {saved[key]!r} -> {now[key]!r}" for key in inside if key != name)
+            differ = [d for d in differ if not d.startswith(tuple(f"{key}=" for key in inside))]
+            chosen.append(f"{group}={now[name]} now, {group}={saved[name]} in the run"
+                          + (f": {detail}" if detail else ""))
+    differ = chosen + differ
     if differ:
         raise QwenftError(f"train.resume: {out_dir} was trained with other settings ({'; '.join(differ)}); resume "
                           "with the run's settings, or start a new run in another out_dir")
 
 
-def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None) -> Path:
+def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None,
+                 trained_system: Optional[dict] = None) -> Path:
     """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically.
 
     Call it on rank 0 only. ``state_dict``: the full model state gathered from the ranks when the weights are
     sharded (FSDP, ZeRO-3; ``Accelerator.get_state_dict``); peft picks the adapter weights out of it.
+    ``trained_system``: the system prompt most training examples carried (``DataBundle.stats["system_prompt"]``),
+    recorded in qwenft.json (:func:`qwenft.model.save_adapter_meta`).
     """
     from qwenft.model import save_adapter_meta
 
@@ -179,7 +192,7 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
         model.save_pretrained(str(staging), safe_serialization=True, **extra)
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
-        save_adapter_meta(str(staging), config)
+        save_adapter_meta(str(staging), config, trained_system)
         publish_dir(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -281,7 +294,8 @@ def run(config: Config) -> Path:
     state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped) if sharded else None
     tokens = dist.sum_over_ranks(trainer.tokens_seen)
     if main:
-        adapter_dir = save_adapter(model, tokenizer, config, out_dir, state_dict=state_dict)
+        adapter_dir = save_adapter(model, tokenizer, config, out_dir, state_dict=state_dict,
+                                   trained_system=bundle.stats.get("system_prompt"))
         metrics = {"train": train_metrics(trainer, seconds, tokens), "data": bundle.stats,
                    "memory": {"train": train_memory}}
         atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))

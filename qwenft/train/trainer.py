@@ -121,7 +121,7 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path)
         head_to_autocast_dtype(model, torch_dtype_of(args))
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
                             eval_dataset=bundle.eval if has_eval else None, data_collator=collator(bundle, tokenizer))
-    trainer.add_callback(AtomicCheckpoints(checkpoint_dir, config))
+    trainer.add_callback(AtomicCheckpoints(checkpoint_dir, config, bundle.stats.get("system_prompt")))
     trainer.add_callback(ProgressBarCallback())
     trainer.checkpoint_dir = str(checkpoint_dir)
     trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
