@@ -143,11 +143,12 @@ def _index_grid_point(command: str, status: str, metric_names: Sequence[str]) ->
     hydra_config = HydraConfig.get()
     if hydra_config.mode != RunMode.MULTIRUN or command not in RUN_DIR_COMMANDS or os.environ.get("RANK", "0") != "0":
         return
-    from qwenft.grid import record_point
+    from qwenft.grid import INDEX_MD, record_point
 
     overrides = [o for o in hydra_config.overrides.task if not o.startswith("command=")]
     root = Path(hydra_config.runtime.output_dir).parent  # point N runs in out_dir/N
-    record_point(root, int(hydra_config.job.num), overrides, status, metric_names)
+    index = record_point(root, int(hydra_config.job.num), overrides, status, metric_names)
+    print(f"grid index: {index.parent / INDEX_MD} (the comparison so far; {index.name} beside it)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -550,6 +550,8 @@ def test_cli_data_command(tmp_path, monkeypatch, capsys):
           "data.sources=[{name: mine, path: rows.jsonl, eval_rows: 2}]"])
     out = capsys.readouterr().out
     assert "mine" in out and "training examples: 10" in out and "⟦answer" in out and "<|im_end|>⟧" in out
+    rules = [line for line in out.splitlines() if "───" in line]  # off a terminal the console is very wide
+    assert len(rules) == 2 and max(map(len, rules)) <= 120, [len(r) for r in rules]
     with pytest.raises(SystemExit) as info:
         main(["data", "model=tiny-random", "data.sources=[{name: mine, path: nope.jsonl}]"])
     assert info.value.code == 2

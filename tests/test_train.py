@@ -360,3 +360,40 @@ def test_a_resume_with_another_model_names_the_model_typed(tmp_path):
     assert "model.source=" not in message and "quant.method=" not in message
     with pytest.raises(QwenftError, match=r"\(lora.r=16 in the run, 4 now\)"):  # a plain key: named as it is
         check_resume_config(compose_config("model=tiny-random", "quant=none", "lora.r=4"), tmp_path)
+
+
+def test_a_run_that_is_all_warmup_is_warned(tmp_path, caplog):
+    """max_steps=1 with the default warmup_ratio: the only step runs at lr 0 (the warmup starts from 0), so the
+    adapter stays as it began; the run says so (a newcomer's `train.max_steps=1` trained nothing, silently)."""
+    import logging
+
+    from qwenft.model import load_model
+    from qwenft.train.trainer import training_arguments
+
+    model, _ = load_model(compose_config("model=tiny-random", "quant=none"), device="cpu")
+    for steps, warned in ((1, True), (2, False)):
+        config = compose_config("model=tiny-random", "quant=none", f"out_dir={tmp_path}", f"train.max_steps={steps}")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qwenft"):
+            training_arguments(config, model, tmp_path / "ckpt", False)
+        assert any("every step is warmup" in r.getMessage() for r in caplog.records) is warned, steps
+    config = compose_config("model=tiny-random", "quant=none", f"out_dir={tmp_path}", "train.max_steps=1",
+                            "train.warmup_ratio=0")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qwenft"):
+        training_arguments(config, model, tmp_path / "ckpt", False)
+    assert not any("warmup" in r.getMessage() for r in caplog.records)
+
+
+def test_qwenft_json_records_the_rows_held_out_not_the_rows_asked(tmp_path):
+    """A recipe's eval_rows larger than the file is clamped by the build; qwenft.json records what was held out,
+    so a later `eval adapter=...` holds out the same rows and does not repeat the clamp warning."""
+    from qwenft.model import read_adapter_meta, save_adapter_meta
+
+    config = compose_config("model=tiny-random", "quant=none", "data.sources.0.eval_rows=50")
+    name = config.data.sources[0].name
+    save_adapter_meta(tmp_path, config, {"sources": {name: {"eval": 10}}, "system_prompt": None})
+    recorded = read_adapter_meta(tmp_path)["data"]["sources"]
+    assert recorded[0]["name"] == name and recorded[0]["eval_rows"] == 10
+    save_adapter_meta(tmp_path, config)  # no statistics: the configured value
+    assert read_adapter_meta(tmp_path)["data"]["sources"][0]["eval_rows"] == 50

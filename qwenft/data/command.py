@@ -11,6 +11,8 @@ PROMPT_CHARS = 600  # a longer prompt span is shown with its middle elided (char
 ANSWER_CHARS = 1200
 
 
+RULE_WIDTH = 120  # columns of the example's rules when the console is wider (or not a terminal)
+
 def _elide(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -118,7 +120,10 @@ def preview(config: Config) -> None:
     if sample is None:
         return
     markers = console.color_system is None
-    console.rule(f"example: {sample['source']} row {sample['row']}, {len(sample['input_ids'])} tokens; "
-                 + ("supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted"))
+    from rich.rule import Rule
+
+    rule_width = min(console.width, RULE_WIDTH)  # off a terminal the console is very wide: a rule would fill it
+    console.print(Rule(f"example: {sample['source']} row {sample['row']}, {len(sample['input_ids'])} tokens; "
+                       + ("supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted")), width=rule_width)
     console.print(render_example(tokenizer, sample["input_ids"], sample["labels"], markers))
-    console.rule()
+    console.print(Rule(), width=rule_width)

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from qwenft.config import (Config, ConfigError, DataSource, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
                            TinyModelConfig)
@@ -57,7 +57,7 @@ def check_adapter_dir(adapter_dir: str) -> Path:
 ADAPTER_META = "qwenft.json"
 
 
-def save_adapter_meta(adapter_dir, config: Config, trained_system: Optional[dict] = None) -> None:
+def save_adapter_meta(adapter_dir, config: Config, data_stats: Optional[dict] = None) -> None:
     """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
 
     Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the run
@@ -71,8 +71,10 @@ def save_adapter_meta(adapter_dir, config: Config, trained_system: Optional[dict
     Args:
         adapter_dir: The adapter directory (the one holding adapter_config.json); created if missing.
         config: The run's validated config.
-        trained_system: ``{"text", "share"}``, the system prompt most training examples carried
-            (``DataBundle.stats["system_prompt"]``); None: ``data.system_prompt`` is recorded.
+        data_stats: the training data's ``DataBundle.stats``: its ``system_prompt`` (``{"text", "share"}``, the
+            system prompt most training examples carried) and each source's ``eval`` (the rows actually held out,
+            recorded as that source's ``eval_rows``: a recipe's default larger than the file was clamped); None:
+            ``data.system_prompt`` and the configured ``eval_rows`` are recorded.
     """
     from qwenft import __version__
 
@@ -81,7 +83,8 @@ def save_adapter_meta(adapter_dir, config: Config, trained_system: Optional[dict
     # Record the dtypes this run resolved ("auto" depends on the machine; a merge must redo what training did).
     model = dict(dataclasses.asdict(config.model), dtype=resolve_dtype(config.model.dtype))
     quant = dict(dataclasses.asdict(config.quant), compute_dtype=resolve_dtype(config.quant.compute_dtype))
-    system = trained_system or {"text": config.data.system_prompt, "share": None}
+    stats = data_stats or {}
+    system = stats.get("system_prompt") or {"text": config.data.system_prompt, "share": None}
     meta = {
         "format": 1,
         "qwenft_version": __version__,
@@ -91,7 +94,7 @@ def save_adapter_meta(adapter_dir, config: Config, trained_system: Optional[dict
         "lora": dataclasses.asdict(config.lora),
         "train": dataclasses.asdict(config.train),
         "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],
-        "data": _data_record(config),
+        "data": _data_record(config, stats.get("sources") or {}),
         "system_prompt": system["text"],
         "system_prompt_share": system["share"],
         "system_prompt_from": "data.system_prompt" if system["text"] == config.data.system_prompt else "rows",
@@ -103,12 +106,15 @@ def save_adapter_meta(adapter_dir, config: Config, trained_system: Optional[dict
 HELD_OUT_KEYS = ("seed", "max_seq_len", "overlong", "train_on", "on_bad_row")
 
 
-def _data_record(config: Config) -> dict:
-    """``data.sources`` (a local file's path absolute, so ``eval`` finds it from any directory) and
-    :data:`HELD_OUT_KEYS` of ``config.data``."""
+def _data_record(config: Config, built: Dict[str, dict]) -> dict:
+    """``data.sources`` (a local file's path absolute, so ``eval`` finds it from any directory; ``eval_rows`` the
+    rows the build held out, ``built[name]["eval"]``, when known) and :data:`HELD_OUT_KEYS` of ``config.data``."""
     sources = []
     for source in config.data.sources:
         record = dataclasses.asdict(source)
+        held = (built.get(source.name) or {}).get("eval")
+        if isinstance(held, int) and source.weight > 0:
+            record["eval_rows"] = held
         local = Path(source.path).expanduser()
         if local.exists():  # a file read from disk (a Hub dataset id is kept as it is)
             record["path"] = str(local.resolve())

@@ -69,7 +69,8 @@ def load_adapter(model, adapter_dir: str, trainable: bool = False):
 
     path = check_adapter_dir(adapter_dir)
     try:
-        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        with _peft_deprecations_quiet():  # peft reads is_gradient_checkpointing while loading, too
+            return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     except RuntimeError as exc:
         if "size mismatch" not in str(exc):
             raise

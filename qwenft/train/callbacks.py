@@ -74,14 +74,14 @@ class AtomicCheckpoints(TrainerCallback):
     Args:
         checkpoint_dir: Where complete checkpoints live (``<run>/checkpoints``).
         config: The run's config, written into every checkpoint as ``qwenft.json`` (None: not written).
-        trained_system: the system prompt most training examples carried, for ``qwenft.json``
+        data_stats: the training data's ``DataBundle.stats``, for ``qwenft.json``
             (:func:`qwenft.model.save_adapter_meta`).
     """
 
-    def __init__(self, checkpoint_dir, config=None, trained_system=None) -> None:
+    def __init__(self, checkpoint_dir, config=None, data_stats=None) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = config
-        self.trained_system = trained_system
+        self.data_stats = data_stats
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.process_index == 0:  # made empty by the Trainer when it was built; each save makes it again
@@ -110,7 +110,7 @@ class AtomicCheckpoints(TrainerCallback):
         if self.config is not None:
             from qwenft.model import save_adapter_meta
 
-            save_adapter_meta(str(staged), self.config, self.trained_system)
+            save_adapter_meta(str(staged), self.config, self.data_stats)
         final = publish_dir(staged, self.checkpoint_dir / name)  # safetensors writes its files 0600
         shutil.rmtree(staging, ignore_errors=True)  # empty now
         rotate_checkpoints(output_dir=str(self.checkpoint_dir), save_total_limit=save_total_limit, use_mtime=False)

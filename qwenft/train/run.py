@@ -175,13 +175,13 @@ def check_resume_config(config: Config, out_dir: Path) -> None:
 
 
 def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None,
-                 trained_system: Optional[dict] = None) -> Path:
+                 data_stats: Optional[dict] = None) -> Path:
     """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically.
 
     Call it on rank 0 only. ``state_dict``: the full model state gathered from the ranks when the weights are
     sharded (FSDP, ZeRO-3; ``Accelerator.get_state_dict``); peft picks the adapter weights out of it.
-    ``trained_system``: the system prompt most training examples carried (``DataBundle.stats["system_prompt"]``),
-    recorded in qwenft.json (:func:`qwenft.model.save_adapter_meta`).
+    ``data_stats``: the training data's ``DataBundle.stats`` (the system prompt most training examples carried,
+    the rows held out per source), recorded in qwenft.json (:func:`qwenft.model.save_adapter_meta`).
     """
     from qwenft.model import save_adapter_meta
 
@@ -192,7 +192,7 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
         model.save_pretrained(str(staging), safe_serialization=True, **extra)
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
-        save_adapter_meta(str(staging), config, trained_system)
+        save_adapter_meta(str(staging), config, data_stats)
         publish_dir(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -295,7 +295,7 @@ def run(config: Config) -> Path:
     tokens = dist.sum_over_ranks(trainer.tokens_seen)
     if main:
         adapter_dir = save_adapter(model, tokenizer, config, out_dir, state_dict=state_dict,
-                                   trained_system=bundle.stats.get("system_prompt"))
+                                   data_stats=bundle.stats)
         metrics = {"train": train_metrics(trainer, seconds, tokens), "data": bundle.stats,
                    "memory": {"train": train_memory}}
         atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))

@@ -61,6 +61,10 @@ def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bo
     from qwenft.train.dist import training_kwargs
 
     t = config.train
+    if t.warmup_ratio > 0 and 0 < t.max_steps <= math.ceil(t.warmup_ratio * t.max_steps):
+        log.warning("train.max_steps=%d with train.warmup_ratio=%g: every step is warmup, and the learning rate is 0 "
+                    "at the first (the warmup starts from 0), so this run leaves the adapter as it began; use "
+                    "train.max_steps>=2 or train.warmup_ratio=0", t.max_steps, t.warmup_ratio)
     return TrainingArguments(
         output_dir=str(staging_root(checkpoint_dir)), run_name=Path(config.out_dir).name,
         learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,  # < 1: a ratio
@@ -121,7 +125,7 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path)
         head_to_autocast_dtype(model, torch_dtype_of(args))
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
                             eval_dataset=bundle.eval if has_eval else None, data_collator=collator(bundle, tokenizer))
-    trainer.add_callback(AtomicCheckpoints(checkpoint_dir, config, bundle.stats.get("system_prompt")))
+    trainer.add_callback(AtomicCheckpoints(checkpoint_dir, config, bundle.stats))
     trainer.add_callback(ProgressBarCallback())
     trainer.checkpoint_dir = str(checkpoint_dir)
     trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
