@@ -192,6 +192,33 @@ def test_eval_memory_quick_mode_measures_after_train_later_eval_and_plan(tmp_pat
     assert result["memory"]["train"]["bytes"] > 0 and result["plan_evaluation"]["peak"] == peaks["plan"]
 
 
+def test_data_scale_quick_mode_runs_both_arms_and_the_cache_hit(tmp_path, shared_data, embedded_dir):
+    """benchmarks/data_scale.py --quick: 2,000 unique rows generated from the shared alpaca and GSM8K files;
+    `qwenft data` (a cache miss), the plain load_dataset + map and `qwenft data` again (a hit), each a child process
+    with its wall time and peak RSS; the cache entries it made are removed."""
+    proc = subprocess.run([sys.executable, "benchmarks/data_scale.py", "--quick", "--shared", str(shared_data)],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "data_scale_quick.json").read_text())
+    assert result["settings"]["sizes"] == [2000] and result["settings"]["base_rows"] > 2000
+    [size] = result["results"]
+    assert size["rows"] == 2000 and _positive(size["file_bytes"]) and _positive(size["qwenft_cache_bytes"])
+    for arm in ("qwenft", "plain", "qwenft_cache_hit"):
+        assert size[arm]["exit"] == 0 and _positive(size[arm]["seconds"]) and _positive(size[arm]["peak_rss_bytes"])
+    assert (size["qwenft"]["cache_hits"], size["qwenft"]["cache_misses"]) == (0, 1)
+    assert (size["qwenft_cache_hit"]["cache_hits"], size["qwenft_cache_hit"]["cache_misses"]) == (1, 0)
+    assert size["qwenft"]["train_examples"] == size["plain"]["rows"] == 2000
+    # ChatML with Qwen's default system turn: ~30 tokens of template per row around the instruction and answer
+    assert size["plain"]["tokens"] > 2000 * 30 and _positive(size["plain"]["map_s"])
+    assert size["ratio_wall_qwenft_over_plain"] == pytest.approx(size["qwenft"]["seconds"] / size["plain"]["seconds"])
+
+
+def test_data_scale_skips_without_the_shared_data(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/data_scale.py", "--quick", "--shared", str(tmp_path / "none")],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("SKIPPED: ") and not list(tmp_path.glob("*.json"))
+
+
 def test_bootstrap_interval_resamples_whole_repeats():
     sys.path.insert(0, str(ROOT))
     from benchmarks.sampler import bootstrap_median_ci

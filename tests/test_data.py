@@ -346,6 +346,35 @@ def test_wrong_type(tmp_path):
     assert "row 2" in message and "field 'output'" in message and "must be a string, got list" in message
 
 
+def test_numbers_in_text_fields_are_taken_as_their_text(tmp_path):
+    """A JSON number where text is expected is its text (ints without ".0"), in every format's text fields."""
+    lines = ['{"instruction": "Add 2 and 3.", "input": 5, "output": 12.5}', '{"instruction": 7, "output": 1e-7}',
+             '{"instruction": "price", "output": 12.50, "id": 2.0}', '{"instruction": "big", "output": 100000000000000000000}']
+    (tmp_path / "n.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "n.json").write_text("[" + ",".join(lines) + "]", encoding="utf-8")
+    for name in ("n.jsonl", "n.json"):  # a float keeps the file's spelling
+        rows = read_source(DataSource(name="n", path=str(tmp_path / name)))
+        assert [r["messages"][0]["content"] for r in rows] == ["Add 2 and 3.\n\n5", "7", "price", "big"]
+        assert [r["messages"][1]["content"] for r in rows] == ["12.5", "1e-7", "12.50", "100000000000000000000"]
+        assert rows[2]["meta"] == {"id": 2.0}  # other fields keep their values
+    assert normalise({"instruction": "q", "output": 12.0}, "alpaca", {})[0][-1]["content"] == "12.0"  # parquet, hub
+    turns = {"messages": [{"role": "user", "content": 2}, {"role": "assistant", "content": -0.5}]}
+    assert normalise(turns, "messages", {})[0] == [{"role": "user", "content": "2"},
+                                                   {"role": "assistant", "content": "-0.5"}]
+    history = {"instruction": "q", "output": 3, "history": [[1, 2]]}
+    assert [m["content"] for m in normalise(history, "alpaca", {})[0]] == ["1", "2", "q", "3"]
+    assert normalise({"text": 42}, "text", {})[1] == "42"
+
+
+@pytest.mark.parametrize("value, said", [(True, "got true/false (True)"), (["a", "b"], "got list"),
+                                         ({"a": 1}, "got dict"), (float("nan"), "finite number, got nan")])
+def test_true_false_lists_objects_and_nan_in_text_fields_are_refused(tmp_path, value, said):
+    """One line naming file, row and field; a number in the same file is fine, the refused value is named."""
+    rows = [{"instruction": "q", "output": 1}, {"instruction": "q", "input": value, "output": "a"}]
+    message = bad(tmp_path, "a.json", json.dumps(rows))
+    assert "row 2" in message and "field 'input'" in message and said in message
+
+
 def test_empty_answer(tmp_path):
     message = bad(tmp_path, "a.jsonl", GOOD + "\n" + json.dumps({"instruction": "q", "output": "  "}) + "\n")
     assert "line 2" in message and "field 'output'" in message and "empty answer" in message

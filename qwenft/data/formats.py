@@ -12,11 +12,14 @@ Formats (``data.sources[].format``) and the fields they read (``columns`` rename
 A conversation is an optional system turn, then user and assistant turns alternating, ending with an
 assistant turn (the answer). Leading and trailing whitespace of every turn is removed: the chat template
 supplies the separators. Fields given as JSON text (e.g. a ``messages`` column in a CSV file) are parsed.
+A number where text is expected is taken as its text (``"input": 5`` -> "5", ``12.5`` -> "12.5");
+true/false, a list or an object there is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from qwenft.config import FORMAT_FIELDS, QwenftError
@@ -56,6 +59,20 @@ class DataError(QwenftError):
                          field=self.field, unit=self.unit if self.row is not None else unit)
 
 
+class JsonFloat(float):
+    """A float read from JSON text that remembers how the file wrote it (``text``: "12.50", "1e-7")."""
+
+    text: str
+
+
+def json_float(text: str) -> float:
+    """``json.loads``'s ``parse_float`` for data files: the value, with the file's spelling kept as ``.text`` so
+    that a number where text is expected is taken as exactly what the file says (:func:`_string`)."""
+    value = JsonFloat(text)
+    value.text = text
+    return value
+
+
 def _label(columns: Dict[str, str], name: str) -> str:
     """How the file names the format field ``name`` (``answer (output)`` when renamed)."""
     mapped = columns.get(name, name)
@@ -73,19 +90,38 @@ def _get(record: Dict[str, Any], columns: Dict[str, str], name: str, required: b
 
 
 def _string(value: Any, field: str, required: bool) -> str:
+    """The text of a field, stripped: a string as it is, a number as its text (``5`` -> "5", ``12.5`` -> "12.5").
+
+    A float read from JSON text keeps the file's spelling (``12.50`` -> "12.50", ``1e-7`` -> "1e-7", see
+    :func:`json_float`); any other float (parquet, a Hugging Face dataset) becomes Python's shortest text that
+    reads back as the same value. An integer never gains a ".0". True/false is refused like a list or an object:
+    it is rarely meant as text, and "True" would not be what the file says.
+
+    Raises:
+        DataError: null where text is required, NaN or infinity, true/false, a list or an object.
+    """
     if value is None:
         if required:
             raise DataError("is null; expected text", field=field)
         return ""
-    if not isinstance(value, str):
-        raise DataError(f"must be a string, got {type(value).__name__} ({_short(value)})", field=field)
-    return value.strip()
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, bool):  # before int: bool is a subclass of int
+        raise DataError(f"must be a string, got true/false ({_short(value)}); write \"{str(value).lower()}\" in "
+                        "quotes if the text is meant", field=field)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DataError(f"must be a string or a finite number, got {value!r}", field=field)
+        return getattr(value, "text", None) or repr(value)
+    raise DataError(f"must be a string, got {type(value).__name__} ({_short(value)})", field=field)
 
 
 def _list(value: Any, field: str) -> list:
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
-            value = json.loads(value)
+            value = json.loads(value, parse_float=json_float)
         except json.JSONDecodeError as exc:
             raise DataError(f"is text that is not a valid JSON list ({exc.msg})", field=field) from None
     if not isinstance(value, list):

@@ -18,7 +18,7 @@ from typing import Any, Iterator, List, Optional, Set, Tuple
 
 from qwenft.config import DataSource
 from qwenft.data.checks import fill
-from qwenft.data.formats import DataError, describe, normalise
+from qwenft.data.formats import DataError, describe, json_float, normalise
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _jsonl(data: bytes, file: str, offset: int = 0) -> Iterator[Record]:
             continue
         try:
             line = decode_utf8(raw, file, offset=line_start, line=number)
-            record = json.loads(line)
+            record = json.loads(line, parse_float=json_float)
             if not isinstance(record, dict):
                 raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
                                 unit="line")
@@ -133,7 +133,7 @@ def _jsonl(data: bytes, file: str, offset: int = 0) -> Iterator[Record]:
 def _json(data: bytes, file: str, offset: int) -> Tuple[Iterator[Record], str]:
     text = decode_utf8(data, file, offset=offset)
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=json_float)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
             return _jsonl(data, file, offset), "line"  # JSON Lines saved under a .json name
