@@ -22,10 +22,15 @@ GATE_KEYS = ("metric", *CONDITIONS)
 BUILTIN_BENCHMARKS = {"mmlu": ("acc", "none"), "ceval": ("acc", "none"), "gsm8k": ("exact_match", "strict-match")}
 
 
-def benchmark_metric(name: str) -> str:
-    """The metric name report.md and metrics.json give a built-in benchmark (``acc``, ``exact_match,strict-match``)."""
-    metric, filter_name = BUILTIN_BENCHMARKS[name]
+def metric_label(metric: str, filter_name: str) -> str:
+    """The name report.md and metrics.json give a benchmark's metric: lm-eval's ``METRIC,FILTER``, the filter
+    dropped when it is ``none`` (``acc``, ``exact_match,strict-match``)."""
     return metric if filter_name == "none" else f"{metric},{filter_name}"
+
+
+def benchmark_metric(name: str) -> str:
+    """:func:`metric_label` of a built-in benchmark."""
+    return metric_label(*BUILTIN_BENCHMARKS[name])
 
 
 def check_gate_values(gates: Dict[str, Any]) -> None:

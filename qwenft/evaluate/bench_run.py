@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from qwenft.config.gates import metric_label
 from qwenft.evaluate.bench_tasks import Benchmark
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class BenchRunner:
             if not by_side:
                 continue
             ids = sorted(next(iter(by_side.values())))
-            entry: Dict[str, Any] = {"metric": bench.metric if bench.filter == "none" else f"{bench.metric},{bench.filter}",
+            entry: Dict[str, Any] = {"metric": metric_label(bench.metric, bench.filter),
                                      "n": len(ids), "subtasks": bench.subjects, "shots": bench.shots,
                                      "source": bench.source, "seconds": self.seconds.get(bench.name, {})}
             scores = {}
