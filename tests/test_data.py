@@ -226,24 +226,64 @@ def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
     assert only_text["input_ids"] == [encode_text(tiny, "plain text", max_seq_len=1024)["input_ids"]]
 
 
-def test_a_cache_miss_uses_what_it_built_and_a_hit_loads(tiny, tmp_path, monkeypatch):
-    """A miss saves the tokenized dataset (renamed into place whole) and returns it without reading it back; a hit
-    loads it (here built by two processes, read by one)."""
-    import datasets
+def test_a_cache_miss_writes_memory_mapped_shards_and_a_hit_tokenizes_nothing(tiny, tmp_path, monkeypatch):
+    """A miss writes the tokenized rows to disk (ids int32) and returns them memory-mapped, nothing held in memory;
+    the entry is complete once its entry.json is there (here built by two processes); a hit maps nothing."""
+    import pyarrow as pa
 
-    loads = []
-    real = datasets.load_from_disk
-    monkeypatch.setattr(datasets, "load_from_disk", lambda path: loads.append(path) or real(path))
+    from qwenft.data import pipeline, store
+
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
     source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", qa_rows(10))), eval_rows=2)
     first = build(config_for(source, cache=True, num_proc=2), tiny)
-    assert first.stats["cache_misses"] == 2 and loads == []
+    assert first.stats["cache_misses"] == 2
+    assert first.train.cache_files and first.eval.cache_files  # memory-mapped files, not in-memory tables
+    assert first.train.features["input_ids"].feature.pa_type == pa.int32()
     saved = sorted(p.name for p in (tmp_path / "cache" / "data").iterdir())
-    assert len(saved) == 2 and not any(name.startswith(".") for name in saved)  # no staging folder left
+    assert len(saved) == 2 and not any(name.startswith(".") for name in saved)  # no scratch or staging left
+    for name in saved:
+        shards = tmp_path / "cache" / "data" / name / "shards"
+        assert sorted(p.name for p in shards.iterdir() if p.name.startswith(".")) == []
+        assert store.complete(tmp_path / "cache" / "data" / name)
+    monkeypatch.setattr(pipeline, "encode_batch", lambda *a, **k: pytest.fail("a hit tokenized"))
     second = build(config_for(source, cache=True), tiny)
-    assert second.stats["cache_hits"] == 2 and len(loads) == 2
+    assert second.stats["cache_hits"] == 2
     assert second.train[:] == first.train[:] and second.eval[:] == first.eval[:]
     assert second.eval_rows == first.eval_rows
+
+
+def test_a_tokenization_killed_after_a_shard_resumes_with_the_same_ids(tiny, tmp_path, monkeypatch):
+    """Shards are written under a temporary name and renamed; a run that dies after its first shard leaves that
+    shard, the rerun tokenizes only the others, and the ids equal an uninterrupted run's (another cache)."""
+    from qwenft.data import pipeline, store
+
+    monkeypatch.setattr(store, "SHARD_ROWS", 4)
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}],
+            "text": None, "row": i + 1} for i in range(10)]
+    source, dcfg = DataSource(name="s", path="s.jsonl"), DataConfig(cache=True)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "clean"))
+    clean, _ = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "killed"))
+    real, calls, dying = pipeline.encode_batch, [], [True]
+
+    def dies_on_the_second_shard(batch, **kwargs):
+        calls.append(batch["row"][0])
+        if dying[0] and len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(batch, **kwargs)
+
+    monkeypatch.setattr(pipeline, "encode_batch", dies_on_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    (entry,) = (tmp_path / "killed" / "data").iterdir()
+    assert not store.complete(entry) and [e["shards_done"] for e in store.entries()] == [1]
+    calls.clear()
+    dying[0] = False
+    resumed, hit = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    assert not hit and calls == [5, 9] and store.complete(entry)  # shards 2 and 3 only
+    assert sorted(p.name for p in (entry / "shards").iterdir()) == [  # no temporary file left
+        f"0000{k}{suffix}" for k in range(3) for suffix in ("-0.arrow", ".json")]
+    assert resumed[:] == clean[:] and resumed["row"] == list(range(1, 11))
 
 
 def test_held_out_rows_carry_their_tokens(tiny, tmp_path):

@@ -1,6 +1,6 @@
 """``build``: sources -> normalised rows -> eval hold-out -> token ids + labels (cached) -> mixed -> packed.
 
-One way through: the rows' messages go into ``datasets.map`` as a typed column (:func:`example_features`), the
+One way through: the rows' messages go into ``datasets.map`` as a typed column (:func:`qwenft.data.store.example_features`), the
 tokenizer as an argument of the map function (``fn_kwargs``), and the held-out rows come back with their ids.
 """
 
@@ -9,9 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import pickle
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -21,14 +19,13 @@ from qwenft.data.collate import Packing, pack_examples, packing_of
 from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, mix_counts, split_eval
 from qwenft.data.read import read_rows
+from qwenft.data.store import ENCODED, build_entry, complete, data_root, encoded_features, load_entry, scratch_entry
 from qwenft.data.template import IGNORE_INDEX, encode_many, prompt_ids, system_counts, trained_system
-from qwenft.files import staging_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # bump when the encoding or its columns change, so old cached datasets are not reused
+CACHE_VERSION = 4  # bump when the encoding or its columns change, so old cached datasets are not reused
 COLUMNS = ["input_ids", "labels", "length"]
-ENCODED = ["row", *COLUMNS, "overflow", "supervised", "prompt_len", "error"]  # what tokenize_rows returns
 
 
 @dataclass
@@ -73,16 +70,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def example_features():
-    """The ``datasets.Features`` of the rows going into tokenization: ``row`` (int), ``messages`` (a list of
-    ``{role, content}`` texts; empty for ``text`` rows) and ``text`` (null for conversations)."""
-    import datasets
-
-    text = datasets.Value("string")
-    return datasets.Features({"row": datasets.Value("int64"),
-                              "messages": datasets.List({"role": text, "content": text}), "text": text})
-
-
 class _CPickled:
     """Travels to ``datasets.map``'s worker processes as ``obj`` pickled once by the standard library's C pickler,
     and arrives as ``obj`` itself. The workers' transport (dill) pickles in pure Python: 1.1 s per worker for Qwen's
@@ -119,7 +106,7 @@ def encode_batch(batch: Dict[str, list], *, tokenizer, max_seq_len: int, train_o
         out["labels"].append([] if error else result["labels"])
         out["length"].append(len(ids))
         out["overflow"].append(0 if error else result["overflow"])
-        out["supervised"].append(0 if error else sum(label != IGNORE_INDEX for label in result["labels"]))
+        out["supervised"].append(0 if error else len(ids) - result["labels"].count(IGNORE_INDEX))
         out["prompt_len"].append(0 if error else result["prompt_len"])
         out["error"].append(str(result.located(file, row, unit)) if error else "")
     return out
@@ -137,97 +124,94 @@ def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig, file: str, 
 
 def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource, unit: str, fingerprint: str,
                   split: str):
-    """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached.
+    """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached, on disk.
 
-    The rows become a typed table first (:func:`example_features`: every message exactly ``{role, content}``);
-    :func:`encode_batch` gets the tokenizer through ``fn_kwargs`` (with ``num_proc > 1`` datasets pickles it to
-    each worker, here with the C pickler, :class:`_CPickled`; the cache key is the map's fingerprint, so datasets
-    never hashes it). The cache key hashes the rows (row numbers and contents), the file and unit the error
-    messages name, the tokenizer (:func:`tokenizer_fingerprint`) and the settings that change the tokens
-    (max_seq_len, train_on, system_prompt). With ``data.cache`` a hit loads the saved dataset from
-    ``<qwenft cache>/data/<key>`` instead of tokenizing; a miss saves what it built there (written to a temporary
-    folder, then renamed into place) and returns the built dataset itself.
+    The rows are written to an Arrow file first (:func:`qwenft.data.store.write_rows`: every message exactly
+    ``{role, content}``) and mapped from that memory map, :data:`qwenft.data.store.SHARD_ROWS` rows at a time,
+    each shard's output written to its own file (:func:`qwenft.data.store.build_entry`): the tokenized data is
+    never held in memory. :func:`encode_batch` gets the tokenizer through ``fn_kwargs`` (with ``num_proc > 1``
+    datasets pickles it to each worker, here with the C pickler, :class:`_CPickled`; the map's fingerprint is the
+    cache key, so datasets never hashes it). The cache key hashes the rows (row numbers and contents), the file and
+    unit the error messages name, the tokenizer (:func:`tokenizer_fingerprint`) and the settings that change the
+    tokens (max_seq_len, train_on, system_prompt). With ``data.cache`` the entry is ``<qwenft cache>/data/<key>``:
+    a complete one is a hit (memory-mapped, nothing tokenized), an incomplete one (a killed run) is finished from
+    its done shards; without, the entry is a scratch folder removed at exit.
 
     Returns:
         ``(dataset, cache_hit)``; columns :data:`ENCODED` (``row, input_ids, labels, length, overflow,
-        supervised, prompt_len, error``), one row per input row, in order.
+        supervised, prompt_len, error``; ids and labels ``int32``), one row per input row, in order.
     """
-    import datasets
-    from qwenft.runtime import cache_dir
-
     key = _cache_key(rows, fingerprint, dcfg, src.path, unit)
-    path = cache_dir() / "data" / key
-    if dcfg.cache and (path / "dataset_info.json").is_file():
-        return datasets.load_from_disk(str(path)), True
-    if not rows:  # map() never calls the encoder on no rows, so the columns are made here
-        return datasets.Dataset.from_dict({name: [] for name in ENCODED}), False
-    table = datasets.Dataset.from_dict({
-        "row": [r["row"] for r in rows],
-        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] if r["text"] is None
-                     else [] for r in rows],
-        "text": [r["text"] for r in rows]}, features=example_features())
-    num_proc = dcfg.num_proc if dcfg.num_proc > 1 and len(rows) >= 2 * dcfg.num_proc else None
-    settings = {"tokenizer": _CPickled(tokenizer) if num_proc else tokenizer, "max_seq_len": dcfg.max_seq_len,
-                "train_on": dcfg.train_on, "system_prompt": dcfg.system_prompt, "file": src.path, "unit": unit}
-    encoded = table.map(encode_batch, fn_kwargs=settings, batched=True, batch_size=64, num_proc=num_proc,
-                        remove_columns=["messages", "text"], new_fingerprint=key,
-                        desc=f"tokenizing {src.name} ({split})")
-    if dcfg.cache:
-        _save(encoded, path)
-    return encoded, False
+    entry = data_root() / key if dcfg.cache else scratch_entry()
+    if dcfg.cache and complete(entry):
+        return load_entry(entry), True
+    settings = {"max_seq_len": dcfg.max_seq_len, "train_on": dcfg.train_on, "system_prompt": dcfg.system_prompt,
+                "file": src.path, "unit": unit}
+
+    def map_shard(part, cache_file: str, desc: str):
+        num_proc = dcfg.num_proc if dcfg.num_proc > 1 and len(part) >= 2 * dcfg.num_proc else None
+        kwargs = {**settings, "tokenizer": _CPickled(tokenizer) if num_proc else tokenizer}
+        return part.map(encode_batch, fn_kwargs=kwargs, batched=True, batch_size=64, num_proc=num_proc,
+                        remove_columns=["messages", "text"], features=encoded_features(), new_fingerprint=key,
+                        cache_file_name=cache_file, load_from_cache_file=False,
+                        desc=f"tokenizing {src.name} ({split}{', ' + desc if desc else ''})")
+
+    build_entry(entry, rows, map_shard, {"source": src.path, "name": src.name, "split": split})
+    return load_entry(entry), False
 
 
-def _save(encoded, path) -> None:
-    """Save ``encoded`` as the cache entry ``path``: into a temporary folder beside it, renamed into place whole."""
-    import datasets
+def _column(ds, name: str):
+    """The column ``name`` of ``ds`` (a dataset without an indices mapping) as one numpy array, read whole from
+    Arrow (never row by row)."""
+    import numpy as np
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    work = str(staging_dir(path.parent))
-    bars = datasets.utils.are_progress_bars_disabled()
-    try:
-        datasets.utils.disable_progress_bars()  # saving takes milliseconds: no bar for it
-        encoded.save_to_disk(work)
-        try:
-            os.replace(work, path)
-        except OSError:  # another process saved the same key first: identical content
-            pass
-    finally:
-        if not bars:
-            datasets.utils.enable_progress_bars()
-        shutil.rmtree(work, ignore_errors=True)
+    return np.asarray(ds.with_format("arrow")[name])
 
 
 def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any], name: str):
-    """Apply on_bad_row and overlong to a tokenized source; returns the usable rows and fills ``counts``."""
-    errors, overflow, supervised = encoded["error"], encoded["overflow"], encoded["supervised"]
-    bad = [e for e in errors if e]
+    """Apply on_bad_row and overlong to a tokenized source (whole columns, no row loop); fills ``counts``.
+
+    Returns:
+        ``(usable, columns)``: the usable rows (``encoded.select``) and their ``length``, ``overflow``,
+        ``supervised`` and ``row`` as numpy arrays (for the statistics, without reading the rows again).
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    errors = encoded.with_format("arrow")["error"]
+    failed = np.asarray(pc.not_equal(errors, ""), dtype=bool) if len(errors) else np.zeros(0, dtype=bool)
+    bad = errors.filter(pa_mask(failed)).to_pylist() if failed.any() else []
     if bad and dcfg.on_bad_row == "error":
         raise DataError(bad[0])
     for line in skipped_lines(name, bad, len(errors)):
         log.warning("%s", line)
-    keep, truncated, dropped = [], 0, 0
-    for i, (error, cut, sup) in enumerate(zip(errors, overflow, supervised)):
-        if error:
-            continue
-        if cut and (dcfg.overlong == "drop" or sup == 0):  # truncation that leaves nothing to learn also drops
-            dropped += 1
-            continue
-        truncated += bool(cut)
-        keep.append(i)
+    cut = _column(encoded, "overflow") > 0
+    # truncation that leaves nothing to learn also drops
+    drop = ~failed & cut & ((_column(encoded, "supervised") == 0) | (dcfg.overlong == "drop"))
+    keep = np.flatnonzero(~failed & ~drop)
     counts["skipped"] += len(bad)
-    counts["truncated"] += truncated
-    counts["dropped"] += dropped
-    return encoded.select(keep)
+    counts["truncated"] += int(np.count_nonzero(cut[keep]))
+    counts["dropped"] += int(np.count_nonzero(drop))
+    columns = {column: _column(encoded, column)[keep] for column in ("length", "overflow", "supervised", "row")}
+    return (encoded if len(keep) == len(encoded) else encoded.select(keep)), columns
 
 
-def _percentiles(values: List[int]) -> Dict[str, int]:
+def pa_mask(mask):
+    """A numpy bool array as a pyarrow boolean array (for ``filter``)."""
+    import pyarrow as pa
+
+    return pa.array(mask, type=pa.bool_())
+
+
+def _percentiles(values) -> Dict[str, int]:
     import numpy as np
 
-    if not values:
+    values = np.asarray(values, dtype=np.int64)
+    if not len(values):
         return {"p50": 0, "p95": 0, "max": 0, "mean": 0}
     p50, p95 = np.percentile(values, [50, 95])  # linear interpolation between order statistics
-    return {"p50": int(round(p50)), "p95": int(round(p95)), "max": int(max(values)),
-            "mean": int(round(sum(values) / len(values)))}
+    return {"p50": int(round(p50)), "p95": int(round(p95)), "max": int(values.max()),
+            "mean": int(round(int(values.sum()) / len(values)))}
 
 
 def _with_ids(held: List[dict], encoded, tokenizer, system_prompt: Optional[str]) -> List[dict]:
@@ -302,6 +286,7 @@ def build(config: Config, tokenizer) -> DataBundle:
             ``on_bad_row=skip``), a weighted source left with no rows.
     """
     import datasets
+    import numpy as np
 
     dcfg = config.data
     if not dcfg.sources:
@@ -310,6 +295,7 @@ def build(config: Config, tokenizer) -> DataBundle:
     packing = packing_of(config)
     per_source: Dict[str, Dict[str, Any]] = {}
     usable: Dict[str, Any] = {}
+    columns: Dict[str, Dict[str, Any]] = {}  # per source: length, overflow, supervised, row of its usable rows
     held_out: Dict[str, Any] = {}
     eval_rows: Dict[str, List[dict]] = {}
     systems: Dict[str, Dict[Optional[str], int]] = {}  # per source: system prompt -> rows trained with it
@@ -329,12 +315,12 @@ def build(config: Config, tokenizer) -> DataBundle:
             encoded, hit = tokenize_rows(held, tokenizer, dcfg, src, unit, fingerprint, "eval")
             hits, misses = hits + hit, misses + (not hit)
             eval_rows[src.name] = _with_ids(held, encoded, tokenizer, dcfg.system_prompt)
-            held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
+            held_out[src.name], _ = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
         if src.weight > 0:
             systems[src.name] = system_counts(kept, dcfg.system_prompt)
             encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
             hits, misses = hits + hit, misses + (not hit)
-            usable[src.name] = _usable(encoded, dcfg, counts, src.name)
+            usable[src.name], columns[src.name] = _usable(encoded, dcfg, counts, src.name)
         counts["usable"] = len(usable[src.name]) if src.name in usable else 0
         per_source[src.name] = counts
 
@@ -346,9 +332,13 @@ def build(config: Config, tokenizer) -> DataBundle:
     picked = choose(available, counts_used, dcfg.seed)
     names = list(usable)
     offsets = {name: sum(available[n] for n in names[:k]) for k, name in enumerate(names)}
-    pool = datasets.concatenate_datasets([usable[n].select_columns(COLUMNS + ["overflow", "supervised", "row"])
-                                          for n in names])
-    selected = pool.select([offsets[name] + i for name, i in picked])
+    code = {name: k for k, name in enumerate(names)}
+    order = np.fromiter((offsets[name] + i for name, i in picked), dtype=np.int64, count=len(picked))
+    origin = np.fromiter((code[name] for name, _ in picked), dtype=np.int64, count=len(picked))
+    pool = datasets.concatenate_datasets([usable[n].select_columns(COLUMNS + ["row"]) for n in names])
+    selected = pool.select(order)
+    chosen = {column: np.concatenate([columns[n][column] for n in names])[order]
+              for column in ("length", "overflow", "supervised", "row")}
     total = len(selected)
     active = sum(w for w in weights.values() if w > 0)
     for name, counts in per_source.items():
@@ -356,9 +346,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         counts.update(used=used, repeats=max(0, used - counts["usable"]),
                       share_target=round(weights[name] / active, 6), share_achieved=round(used / total, 6))
 
-    lengths = selected["length"]
-    full_lengths = [n + cut for n, cut in zip(lengths, selected["overflow"])]
-    n_tokens, n_supervised = sum(lengths), sum(selected["supervised"])
+    full_lengths = chosen["length"] + chosen["overflow"]
+    n_tokens, n_supervised = int(chosen["length"].sum()), int(chosen["supervised"].sum())
     train = (pack_examples(selected, packing.max_len) if packing.packed
              else selected.select_columns(["input_ids", "labels"]))
     evals = [held_out[n].select_columns(["input_ids", "labels"]) for n in held_out if len(held_out[n])]
@@ -380,8 +369,6 @@ def build(config: Config, tokenizer) -> DataBundle:
              total, ", ".join(f"{n} {c['used']}" for n, c in per_source.items()), len(eval_ds),
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
              stats["dropped"])
-    row_ids: Dict[str, List[int]] = {name: [] for name in names}
-    for (name, _), row in zip(picked, selected["row"]):
-        row_ids[name].append(row)
+    row_ids = {name: chosen["row"][origin == k].tolist() for k, name in enumerate(names)}
     return DataBundle(train=train, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
                       train_row_ids=row_ids, packing=packing)
