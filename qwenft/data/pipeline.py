@@ -1,30 +1,28 @@
 """``build``: sources -> normalised rows -> eval hold-out -> token ids + labels (cached) -> mixed -> packed.
 
-One way through: the rows' messages go into ``datasets.map`` as a typed column (:func:`qwenft.data.store.example_features`), the
-tokenizer as an argument of the map function (``fn_kwargs``), and the held-out rows come back with their ids.
+One way through: each source is read once and tokenized into a cache entry on disk (:mod:`qwenft.data.source`),
+the eval hold-out, usable rows and statistics are index arithmetic on its columns, and the held-out rows come back
+with their ids.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import pickle
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from qwenft.config import Config, ConfigError, DataConfig, DataSource
-from qwenft.data.checks import eval_rows_for, eval_share_warning, placeholder_warning, skipped_lines
+from qwenft.config import Config, ConfigError, DataConfig
+from qwenft.data.checks import eval_rows_for, eval_share_warning, skipped_lines
 from qwenft.data.collate import Packing, pack_examples, packing_of
+from qwenft.data.encode import CACHE_VERSION, encode_batch, tokenize_rows, tokenizer_fingerprint  # noqa: F401
 from qwenft.data.formats import DataError
-from qwenft.data.mix import choose, mix_counts, split_eval
-from qwenft.data.read import read_rows
-from qwenft.data.store import ENCODED, build_entry, complete, data_root, encoded_features, load_entry, scratch_entry
-from qwenft.data.template import IGNORE_INDEX, encode_many, prompt_ids, system_counts, trained_system
+from qwenft.data.mix import choose, eval_indices, mix_counts
+from qwenft.data.source import load_source
+from qwenft.data.store import ENCODED  # noqa: F401  (the columns tokenize_rows returns)
+from qwenft.data.template import prompt_ids, trained_system
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 4  # bump when the encoding or its columns change, so old cached datasets are not reused
 COLUMNS = ["input_ids", "labels", "length"]
 
 
@@ -59,107 +57,6 @@ class DataBundle:
     packing: Packing = field(default_factory=Packing)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
-    digest = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None
-                  else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    digest.update(str(tokenizer.chat_template).encode())
-    digest.update(json.dumps([tokenizer.eos_token, tokenizer.pad_token]).encode())
-    return digest.hexdigest()
-
-
-class _CPickled:
-    """Travels to ``datasets.map``'s worker processes as ``obj`` pickled once by the standard library's C pickler,
-    and arrives as ``obj`` itself. The workers' transport (dill) pickles in pure Python: 1.1 s per worker for Qwen's
-    tokenizer (its Python copies of the 151k-entry vocabulary and merges) against 0.16 s once, where tokenizing
-    1,000 rows takes 0.4 s."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj, self.blob = obj, None
-
-    def __reduce__(self):
-        if self.blob is None:
-            self.blob = pickle.dumps(self.obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return pickle.loads, (self.blob,)
-
-
-def encode_batch(batch: Dict[str, list], *, tokenizer, max_seq_len: int, train_on: str,
-                 system_prompt: Optional[str], file: str, unit: str) -> Dict[str, list]:
-    """The ``datasets.map`` function (batched): rows ``row, messages, text`` -> token ids and labels.
-
-    The tokenizer and settings come as keyword arguments (``fn_kwargs``); a module-level function, so ``num_proc``
-    workers receive it by name. Per row: ``input_ids``, ``labels``, ``length``, ``overflow`` (tokens cut),
-    ``supervised`` (supervised tokens kept), ``prompt_len`` (see :func:`qwenft.data.template.encode_many`) and
-    ``error`` (the located DataError text, "" when none; the token columns are then empty or 0).
-    """
-    if isinstance(tokenizer, _CPickled):  # a shard run in this process
-        tokenizer = tokenizer.obj
-    items = list(zip(batch["messages"], batch["text"]))
-    results = encode_many(tokenizer, items, max_seq_len=max_seq_len, train_on=train_on, system_prompt=system_prompt)
-    out: Dict[str, list] = {name: [] for name in ENCODED if name != "row"}
-    for row, result in zip(batch["row"], results):
-        error = isinstance(result, DataError)
-        ids = [] if error else result["input_ids"]
-        out["input_ids"].append(ids)
-        out["labels"].append([] if error else result["labels"])
-        out["length"].append(len(ids))
-        out["overflow"].append(0 if error else result["overflow"])
-        out["supervised"].append(0 if error else len(ids) - result["labels"].count(IGNORE_INDEX))
-        out["prompt_len"].append(0 if error else result["prompt_len"])
-        out["error"].append(str(result.located(file, row, unit)) if error else "")
-    return out
-
-
-def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig, file: str, unit: str) -> str:
-    """The cache entry of ``rows``: a hash of everything the tokenized dataset holds or depends on."""
-    digest = hashlib.sha256()
-    settings = [CACHE_VERSION, fingerprint, dcfg.max_seq_len, dcfg.train_on, dcfg.system_prompt, file, unit]
-    digest.update(json.dumps(settings).encode())
-    for row in rows:  # the row numbers too: the dataset holds them (and its error messages name them)
-        digest.update(json.dumps([row["row"], row["messages"], row["text"]], ensure_ascii=False).encode())
-    return digest.hexdigest()[:32]
-
-
-def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource, unit: str, fingerprint: str,
-                  split: str):
-    """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached, on disk.
-
-    The rows are written to an Arrow file first (:func:`qwenft.data.store.write_rows`: every message exactly
-    ``{role, content}``) and mapped from that memory map, :data:`qwenft.data.store.SHARD_ROWS` rows at a time,
-    each shard's output written to its own file (:func:`qwenft.data.store.build_entry`): the tokenized data is
-    never held in memory. :func:`encode_batch` gets the tokenizer through ``fn_kwargs`` (with ``num_proc > 1``
-    datasets pickles it to each worker, here with the C pickler, :class:`_CPickled`; the map's fingerprint is the
-    cache key, so datasets never hashes it). The cache key hashes the rows (row numbers and contents), the file and
-    unit the error messages name, the tokenizer (:func:`tokenizer_fingerprint`) and the settings that change the
-    tokens (max_seq_len, train_on, system_prompt). With ``data.cache`` the entry is ``<qwenft cache>/data/<key>``:
-    a complete one is a hit (memory-mapped, nothing tokenized), an incomplete one (a killed run) is finished from
-    its done shards; without, the entry is a scratch folder removed at exit.
-
-    Returns:
-        ``(dataset, cache_hit)``; columns :data:`ENCODED` (``row, input_ids, labels, length, overflow,
-        supervised, prompt_len, error``; ids and labels ``int32``), one row per input row, in order.
-    """
-    key = _cache_key(rows, fingerprint, dcfg, src.path, unit)
-    entry = data_root() / key if dcfg.cache else scratch_entry()
-    if dcfg.cache and complete(entry):
-        return load_entry(entry), True
-    settings = {"max_seq_len": dcfg.max_seq_len, "train_on": dcfg.train_on, "system_prompt": dcfg.system_prompt,
-                "file": src.path, "unit": unit}
-
-    def map_shard(part, cache_file: str, desc: str):
-        num_proc = dcfg.num_proc if dcfg.num_proc > 1 and len(part) >= 2 * dcfg.num_proc else None
-        kwargs = {**settings, "tokenizer": _CPickled(tokenizer) if num_proc else tokenizer}
-        return part.map(encode_batch, fn_kwargs=kwargs, batched=True, batch_size=64, num_proc=num_proc,
-                        remove_columns=["messages", "text"], features=encoded_features(), new_fingerprint=key,
-                        cache_file_name=cache_file, load_from_cache_file=False,
-                        desc=f"tokenizing {src.name} ({split}{', ' + desc if desc else ''})")
-
-    build_entry(entry, rows, map_shard, {"source": src.path, "name": src.name, "split": split})
-    return load_entry(entry), False
-
-
 def _column(ds, name: str):
     """The column ``name`` of ``ds`` (a dataset without an indices mapping) as one numpy array, read whole from
     Arrow (never row by row)."""
@@ -168,39 +65,35 @@ def _column(ds, name: str):
     return np.asarray(ds.with_format("arrow")[name])
 
 
-def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any], name: str):
-    """Apply on_bad_row and overlong to a tokenized source (whole columns, no row loop); fills ``counts``.
+def _usable(encoded, indices, dcfg: DataConfig, counts: Dict[str, Any], name: str):
+    """Apply on_bad_row and overlong to the rows ``indices`` (numpy, ascending) of a tokenized source (whole
+    columns, no row loop); fills ``counts``.
 
     Returns:
         ``(usable, columns)``: the usable rows (``encoded.select``) and their ``length``, ``overflow``,
         ``supervised`` and ``row`` as numpy arrays (for the statistics, without reading the rows again).
     """
     import numpy as np
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    errors = encoded.with_format("arrow")["error"]
+    errors = encoded.with_format("arrow")["error"].take(pa.array(indices, type=pa.int64()))
     failed = np.asarray(pc.not_equal(errors, ""), dtype=bool) if len(errors) else np.zeros(0, dtype=bool)
-    bad = errors.filter(pa_mask(failed)).to_pylist() if failed.any() else []
+    bad = errors.filter(pa.array(failed, type=pa.bool_())).to_pylist() if failed.any() else []
     if bad and dcfg.on_bad_row == "error":
         raise DataError(bad[0])
     for line in skipped_lines(name, bad, len(errors)):
         log.warning("%s", line)
-    cut = _column(encoded, "overflow") > 0
+    cut = _column(encoded, "overflow")[indices] > 0
     # truncation that leaves nothing to learn also drops
-    drop = ~failed & cut & ((_column(encoded, "supervised") == 0) | (dcfg.overlong == "drop"))
+    drop = ~failed & cut & ((_column(encoded, "supervised")[indices] == 0) | (dcfg.overlong == "drop"))
     keep = np.flatnonzero(~failed & ~drop)
     counts["skipped"] += len(bad)
     counts["truncated"] += int(np.count_nonzero(cut[keep]))
     counts["dropped"] += int(np.count_nonzero(drop))
-    columns = {column: _column(encoded, column)[keep] for column in ("length", "overflow", "supervised", "row")}
-    return (encoded if len(keep) == len(encoded) else encoded.select(keep)), columns
-
-
-def pa_mask(mask):
-    """A numpy bool array as a pyarrow boolean array (for ``filter``)."""
-    import pyarrow as pa
-
-    return pa.array(mask, type=pa.bool_())
+    rows = indices[keep]
+    columns = {column: _column(encoded, column)[rows] for column in ("length", "overflow", "supervised", "row")}
+    return (encoded if len(rows) == len(encoded) else encoded.select(rows)), columns
 
 
 def _percentiles(values) -> Dict[str, int]:
@@ -277,7 +170,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         (packed rows, or examples), ``eval_examples``, ``tokens`` (p50 / p95 / max / mean length of the
         used examples before truncation), ``truncated``, ``dropped``, ``skipped``, ``supervised_share``
         (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)),
-        ``cache_hits`` / ``cache_misses`` and ``system_prompt`` (the one most training examples carried and its
+        ``cache_hits`` / ``cache_misses`` (sources found in / added to the cache, :mod:`qwenft.data.source`) and
+        ``system_prompt`` (the one most training examples carried and its
         share, :func:`qwenft.data.template.trained_system`).
 
     Raises:
@@ -301,26 +195,27 @@ def build(config: Config, tokenizer) -> DataBundle:
     systems: Dict[str, Dict[Optional[str], int]] = {}  # per source: system prompt -> rows trained with it
     hits = misses = 0
     for index, src in enumerate(dcfg.sources):
-        rows, skipped, unit = read_rows(src, dcfg.on_bad_row, index)
-        for line in skipped_lines(src.name, skipped, len(rows) + len(skipped)):  # before any other check
+        data = load_source(src, index, dcfg, tokenizer, fingerprint)  # read + tokenized, or from the cache
+        hits, misses = hits + data.hit, misses + (not data.hit)
+        n, skipped = len(data.rows), data.skipped
+        for line in skipped_lines(src.name, skipped, n + len(skipped)):  # before any other check
             log.warning("%s", line)
-        n_eval, clamped = eval_rows_for(src, index, len(rows))  # more than the source has: clamped or refused
-        for warning in (clamped, placeholder_warning(rows, src, index), eval_share_warning(src, index, len(rows))):
+        n_eval, clamped = eval_rows_for(src, index, n)  # more than the source has: clamped or refused
+        for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
             if warning:
                 log.warning("%s", warning)
-        held, kept = split_eval(rows, n_eval, dcfg.seed, src.name, src.eval_by)
-        counts = {"path": src.path, "format": src.format, "rows_read": len(rows) + len(skipped),
-                  "skipped": len(skipped), "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
-        if held:
-            encoded, hit = tokenize_rows(held, tokenizer, dcfg, src, unit, fingerprint, "eval")
-            hits, misses = hits + hit, misses + (not hit)
-            eval_rows[src.name] = _with_ids(held, encoded, tokenizer, dcfg.system_prompt)
-            held_out[src.name], _ = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
+        held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by), dtype=np.int64)
+        kept_idx = np.setdiff1d(np.arange(n, dtype=np.int64), held_idx, assume_unique=True)
+        counts = {"path": src.path, "format": src.format, "rows_read": n + len(skipped),
+                  "skipped": len(skipped), "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
+        if len(held_idx):
+            held = data.take(held_idx)
+            eval_rows[src.name] = _with_ids(held, data.encoded.select(held_idx), tokenizer, dcfg.system_prompt)
+            held_out[src.name], _ = _usable(data.encoded, held_idx, dcfg,
+                                            {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
         if src.weight > 0:
-            systems[src.name] = system_counts(kept, dcfg.system_prompt)
-            encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
-            hits, misses = hits + hit, misses + (not hit)
-            usable[src.name], columns[src.name] = _usable(encoded, dcfg, counts, src.name)
+            systems[src.name] = data.system_counts(kept_idx, dcfg.system_prompt)
+            usable[src.name], columns[src.name] = _usable(data.encoded, kept_idx, dcfg, counts, src.name)
         counts["usable"] = len(usable[src.name]) if src.name in usable else 0
         per_source[src.name] = counts
 

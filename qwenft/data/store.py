@@ -109,6 +109,7 @@ def build_entry(entry: Path, rows: List[dict], map_shard: Callable[[Any, str, st
 
     shards = entry / "shards"
     shards.mkdir(parents=True, exist_ok=True)
+    _write_json(entry / "building.json", info)  # what an incomplete entry is (cache=list)
     starts = list(range(0, len(rows), SHARD_ROWS))
     for k, start in enumerate(starts):
         marker = shards / f"{k:05d}.json"
@@ -159,6 +160,8 @@ def entries() -> List[Dict[str, Any]]:
         if item["complete"]:
             item.update(json.loads((path / "entry.json").read_text()))
         else:
+            if (path / "building.json").is_file():
+                item.update(json.loads((path / "building.json").read_text()))
             item["shards_done"] = len(list((path / "shards").glob("[0-9]*.json")))
         out.append(item)
     return out
