@@ -277,8 +277,10 @@ def test_a_tokenization_killed_after_a_shard_resumes_with_the_same_ids(tiny, tmp
     monkeypatch.setattr(encode, "encode_batch", dies_on_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
-    (entry,) = (tmp_path / "killed" / "data").iterdir()
+    (entry,) = [p for p in (tmp_path / "killed" / "data").iterdir() if p.is_dir()]
     assert not store.complete(entry) and [e["shards_done"] for e in store.entries()] == [1]
+    for left in (".00001.4242.tmp.arrow", ".00001.4242.input.arrow", "tmpx1y2"):  # what a SIGKILL leaves
+        (entry / "shards" / left).write_bytes(b"half")
     calls.clear()
     dying[0] = False
     resumed, hit = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
@@ -286,6 +288,21 @@ def test_a_tokenization_killed_after_a_shard_resumes_with_the_same_ids(tiny, tmp
     assert sorted(p.name for p in (entry / "shards").iterdir()) == [  # no temporary file left
         f"0000{k}{suffix}" for k in range(3) for suffix in ("-0.arrow", ".json")]
     assert resumed[:] == clean[:] and resumed["row"] == list(range(1, 11))
+
+
+def test_scratch_entries_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """data.cache=false still writes to disk, in a scratch folder removed at exit; one a killed process left is
+    removed by the next process that makes one."""
+    import os
+
+    from qwenft.data import store
+
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    dead = tmp_path / "cache" / "data" / ".scratch-999999999-abc"  # above any pid_max: never a live process
+    dead.mkdir(parents=True)
+    mine = store.scratch_entry()
+    assert not dead.exists() and mine.name.startswith(f".scratch-{os.getpid()}-") and mine.is_dir()
+    assert store.entries() == []  # scratch folders are not entries
 
 
 def test_data_cache_list_and_clear(tiny, tmp_path, monkeypatch, capsys):

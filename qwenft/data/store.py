@@ -12,13 +12,14 @@ and since a shard depends only on its own rows, the ids are those of an uninterr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 SHARD_ROWS = 50_000  # rows per shard: what a killed run can lose, and the unit of resume
 ENCODED = ["row", "input_ids", "labels", "length", "overflow", "supervised", "prompt_len", "error"]
@@ -58,9 +59,22 @@ def scratch_entry() -> Path:
     still goes to disk, not to memory)."""
     root = data_root()
     root.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=".scratch-", dir=root))
+    for old in root.glob(".scratch-*-*"):  # left by a process killed before its exit handler ran
+        if not _alive(int(old.name.split("-")[1])):
+            shutil.rmtree(old, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix=f".scratch-{os.getpid()}-", dir=root))
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # another user's process, or a check this system refuses: keep its folder
+        return True
+    return True
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -105,11 +119,22 @@ def build_entry(entry: Path, rows: List[dict], map_shard: Callable[[Any, str, st
             (memory-mapped input) writing to ``cache_file_name`` (with ``num_proc`` workers, one part each).
         info: what ``entry.json`` records besides the rows, shards and date (source, split).
     """
-    import datasets
-
     shards = entry / "shards"
     shards.mkdir(parents=True, exist_ok=True)
+    with _locked(entry):  # another run building the same entry: wait for it, then find it complete
+        if not complete(entry):
+            _build(entry, shards, rows, map_shard, info)
+
+
+def _build(entry: Path, shards: Path, rows: List[dict], map_shard, info: Dict[str, Any]) -> None:
+    import datasets
+
     _write_json(entry / "building.json", info)  # what an incomplete entry is (cache=list)
+    done = {m.name for m in shards.glob("[0-9]*.json")}
+    done |= {name for m in shards.glob("[0-9]*.json") for name in json.loads(m.read_text())["files"]}
+    for path in shards.iterdir():  # what a killed run left half-written (its inputs, temporary outputs)
+        if path.name not in done:
+            path.unlink(missing_ok=True)
     starts = list(range(0, len(rows), SHARD_ROWS))
     for k, start in enumerate(starts):
         marker = shards / f"{k:05d}.json"
@@ -131,6 +156,23 @@ def build_entry(entry: Path, rows: List[dict], map_shard: Callable[[Any, str, st
             source.unlink(missing_ok=True)
     _write_json(entry / "entry.json", {**info, "rows": len(rows), "shards": len(starts),
                                        "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+@contextlib.contextmanager
+def _locked(entry: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``entry`` (``fcntl.flock`` of ``entry/.lock``; none where there is no fcntl:
+    concurrent builders then only share the finished shards' names, renamed into place whole)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(entry / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_entry(entry: Path):
