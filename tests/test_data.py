@@ -312,11 +312,14 @@ def test_data_cache_list_and_clear(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
     path = write_jsonl(tmp_path / "a.jsonl", qa_rows(6))
     build(config_for(DataSource(name="qa", path=str(path)), cache=True), tiny)
+    (tmp_path / "cache" / "data" / "0123abcd" / "dataset_info.json").parent.mkdir()  # an older qwenft's entry
+    (tmp_path / "cache" / "data" / "0123abcd" / "dataset_info.json").write_text("{}")
     main(["data", "cache=list"])
     out = capsys.readouterr().out
-    assert out.startswith("1 cache entry in ") and f"qa: {path}" in out and "6 rows, 20" in out
+    assert out.startswith("2 cache entries in ") and f"qa: {path}" in out and "6 rows, 20" in out
+    assert "0123abcd  (source not recorded)  0.0 MB  written by an older qwenft, not used" in out
     main(["data", "cache=clear"])
-    assert capsys.readouterr().out.startswith("removed 1 cache entry")
+    assert capsys.readouterr().out.startswith("removed 2 cache entries")
     assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]
     with pytest.raises(SystemExit) as exc:
         main(["data", "cache=show"])

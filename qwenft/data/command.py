@@ -154,6 +154,7 @@ def cache_command(args: Sequence[str]) -> None:
           f" ({sum(e['bytes'] for e in found) / 2**20:.1f} MB)")
     for e in found:
         state = (f"{e.get('rows', '?')} rows, {e.get('created', '')}" if e["complete"]
+                 else "written by an older qwenft, not used" if e.get("legacy")
                  else f"incomplete: {e['shards_done']} shard(s) done (the next run resumes them)")
-        source = f"{e.get('name', '?')}: {e.get('source', '?')}"
+        source = f"{e.get('name', '?')}: {e['source']}" if "source" in e else "(source not recorded)"
         print(f"  {e['key'][:12]}  {source}  {e['bytes'] / 2**20:.1f} MB  {state}")

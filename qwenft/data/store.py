@@ -191,7 +191,7 @@ def load_entry(entry: Path):
 def entries() -> List[Dict[str, Any]]:
     """The cache entries: ``{key, path, bytes, complete}`` plus what ``entry.json`` records (``source``, ``split``,
     ``rows``, ``shards``, ``created``) for a complete one; an incomplete one (a killed run: resumable) has
-    ``shards_done``."""
+    ``shards_done``, one an older qwenft wrote ``legacy``."""
     root = data_root()
     out: List[Dict[str, Any]] = []
     if not root.is_dir():
@@ -201,6 +201,8 @@ def entries() -> List[Dict[str, Any]]:
         item: Dict[str, Any] = {"key": path.name, "path": str(path), "bytes": size, "complete": complete(path)}
         if item["complete"]:
             item.update(json.loads((path / "entry.json").read_text()))
+        elif not (path / "shards").is_dir() and not (path / "rows.arrow").is_file():
+            item["legacy"] = True  # an entry of an older qwenft (a saved dataset): never read, cache=clear removes it
         else:
             if (path / "building.json").is_file():
                 item.update(json.loads((path / "building.json").read_text()))
