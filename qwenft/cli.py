@@ -206,9 +206,14 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
     command, rest = args[0], args[1:]
     if command not in COMMAND_TABLE:
         fail(f"unknown command '{command}'; commands: {', '.join(COMMAND_TABLE)}")
-    if command not in COMMANDS:  # `recipes`: no Hydra config
-        try:
-            _resolve(command)(rest)
+    if command not in COMMANDS or (command == "data" and rest[:1] and rest[0].startswith("cache=")):
+        try:  # `recipes`, `data cache=list|clear`: no Hydra config
+            if command == "data":
+                from qwenft.data.command import cache_command
+
+                cache_command(rest)
+            else:
+                _resolve(command)(rest)
         except QwenftError as exc:
             fail(str(exc))
         return

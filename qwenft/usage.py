@@ -75,7 +75,8 @@ EXAMPLES: Dict[str, List[str]] = {
     "generate": ['python -m qwenft generate prompt="Why is the sky blue?" adapter=RUN/adapter',
                  "python -m qwenft generate prompts_file=data/examples/prompts.jsonl out=answers.jsonl"],
     "merge": ["python -m qwenft merge adapter=RUN/adapter out=DIR"],
-    "data": ["python -m qwenft data +recipe=quickstart"],
+    "data": ["python -m qwenft data +recipe=quickstart",
+             "python -m qwenft data cache=list       # the tokenized-data cache; cache=clear removes it"],
     "inspect": ['python -m qwenft inspect prompt="春天" inspect.layers=0,12,23'],
     "plan": ["python -m qwenft plan model=qwen2.5-7b-instruct lora.r=64 plan.gpu_gb=24"],
 }

@@ -226,24 +226,104 @@ def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
     assert only_text["input_ids"] == [encode_text(tiny, "plain text", max_seq_len=1024)["input_ids"]]
 
 
-def test_a_cache_miss_uses_what_it_built_and_a_hit_loads(tiny, tmp_path, monkeypatch):
-    """A miss saves the tokenized dataset (renamed into place whole) and returns it without reading it back; a hit
-    loads it (here built by two processes, read by one)."""
-    import datasets
+def test_a_cache_miss_writes_memory_mapped_shards_and_a_hit_reads_nothing(tiny, tmp_path, monkeypatch):
+    """One entry per source, keyed by the file's bytes: a miss writes the tokenized rows to disk (ids int32) and
+    returns them memory-mapped (here built by two processes); a hit neither reads the file nor tokenizes, and gives
+    the same data, held-out rows included; another eval split of the same file is still a hit."""
+    import pyarrow as pa
 
-    loads = []
-    real = datasets.load_from_disk
-    monkeypatch.setattr(datasets, "load_from_disk", lambda path: loads.append(path) or real(path))
+    from qwenft.data import encode, source as source_module, store
+
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
     source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", qa_rows(10))), eval_rows=2)
     first = build(config_for(source, cache=True, num_proc=2), tiny)
-    assert first.stats["cache_misses"] == 2 and loads == []
-    saved = sorted(p.name for p in (tmp_path / "cache" / "data").iterdir())
-    assert len(saved) == 2 and not any(name.startswith(".") for name in saved)  # no staging folder left
+    assert (first.stats["cache_hits"], first.stats["cache_misses"]) == (0, 1)
+    assert first.train.cache_files and first.eval.cache_files  # memory-mapped files, not in-memory tables
+    assert first.train.features["input_ids"].feature.pa_type == pa.int32()
+    (entry,) = [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]
+    assert store.complete(entry) and not entry.name.startswith(".")  # no scratch folder left
+    assert sorted(p.name for p in (entry / "shards").iterdir()) == ["00000-0.arrow", "00000-1.arrow", "00000.json"]
+    monkeypatch.setattr(encode, "encode_batch", lambda *a, **k: pytest.fail("a hit tokenized"))
+    monkeypatch.setattr(source_module, "read_rows", lambda *a, **k: pytest.fail("a hit read the file"))
     second = build(config_for(source, cache=True), tiny)
-    assert second.stats["cache_hits"] == 2 and len(loads) == 2
+    assert (second.stats["cache_hits"], second.stats["cache_misses"]) == (1, 0)
     assert second.train[:] == first.train[:] and second.eval[:] == first.eval[:]
-    assert second.eval_rows == first.eval_rows
+    assert second.eval_rows == first.eval_rows and second.train_row_ids == first.train_row_ids
+    assert second.stats == first.stats | {"cache_hits": 1, "cache_misses": 0}
+    source.eval_rows = 3
+    assert build(config_for(source, cache=True, seed=7), tiny).stats["cache_hits"] == 1  # split: not in the key
+
+
+def test_a_tokenization_killed_after_a_shard_resumes_with_the_same_ids(tiny, tmp_path, monkeypatch):
+    """Shards are written under a temporary name and renamed; a run that dies after its first shard leaves that
+    shard, the rerun tokenizes only the others, and the ids equal an uninterrupted run's (another cache)."""
+    from qwenft.data import encode, pipeline, store
+
+    monkeypatch.setattr(store, "SHARD_ROWS", 4)
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}],
+            "text": None, "row": i + 1} for i in range(10)]
+    source, dcfg = DataSource(name="s", path="s.jsonl"), DataConfig(cache=True)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "clean"))
+    clean, _ = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "killed"))
+    real, calls, dying = pipeline.encode_batch, [], [True]
+
+    def dies_on_the_second_shard(batch, **kwargs):
+        calls.append(batch["row"][0])
+        if dying[0] and len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(batch, **kwargs)
+
+    monkeypatch.setattr(encode, "encode_batch", dies_on_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    (entry,) = [p for p in (tmp_path / "killed" / "data").iterdir() if p.is_dir()]
+    assert not store.complete(entry) and [e["shards_done"] for e in store.entries()] == [1]
+    for left in (".00001.4242.tmp.arrow", ".00001.4242.input.arrow", "tmpx1y2"):  # what a SIGKILL leaves
+        (entry / "shards" / left).write_bytes(b"half")
+    calls.clear()
+    dying[0] = False
+    resumed, hit = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    assert not hit and calls == [5, 9] and store.complete(entry)  # shards 2 and 3 only
+    assert sorted(p.name for p in (entry / "shards").iterdir()) == [  # no temporary file left
+        f"0000{k}{suffix}" for k in range(3) for suffix in ("-0.arrow", ".json")]
+    assert resumed[:] == clean[:] and resumed["row"] == list(range(1, 11))
+
+
+def test_scratch_entries_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """data.cache=false still writes to disk, in a scratch folder removed at exit; one a killed process left is
+    removed by the next process that makes one."""
+    import os
+
+    from qwenft.data import store
+
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    dead = tmp_path / "cache" / "data" / ".scratch-999999999-abc"  # above any pid_max: never a live process
+    dead.mkdir(parents=True)
+    mine = store.scratch_entry()
+    assert not dead.exists() and mine.name.startswith(f".scratch-{os.getpid()}-") and mine.is_dir()
+    assert store.entries() == []  # scratch folders are not entries
+
+
+def test_data_cache_list_and_clear(tiny, tmp_path, monkeypatch, capsys):
+    """`qwenft data cache=list` names each entry (source, rows, size, date); `cache=clear` removes them."""
+    from qwenft.cli import main
+
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    path = write_jsonl(tmp_path / "a.jsonl", qa_rows(6))
+    build(config_for(DataSource(name="qa", path=str(path)), cache=True), tiny)
+    (tmp_path / "cache" / "data" / "0123abcd" / "dataset_info.json").parent.mkdir()  # an older qwenft's entry
+    (tmp_path / "cache" / "data" / "0123abcd" / "dataset_info.json").write_text("{}")
+    main(["data", "cache=list"])
+    out = capsys.readouterr().out
+    assert out.startswith("2 cache entries in ") and f"qa: {path}" in out and "6 rows, 20" in out
+    assert "0123abcd  (source not recorded)  0.0 MB  written by an older qwenft, not used" in out
+    main(["data", "cache=clear"])
+    assert capsys.readouterr().out.startswith("removed 2 cache entries")
+    assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "cache=show"])
+    assert exc.value.code == 2 and "expected cache=list or cache=clear" in capsys.readouterr().err
 
 
 def test_held_out_rows_carry_their_tokens(tiny, tmp_path):
@@ -502,10 +582,10 @@ def test_cache_hit_and_parallel_tokenization_agree(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
     first = build(config_for(source, cache=True), tiny)
     second = build(config_for(source, cache=True), tiny)
-    assert (first.stats["cache_misses"], second.stats["cache_hits"], second.stats["cache_misses"]) == (2, 2, 0)
+    assert (first.stats["cache_misses"], second.stats["cache_hits"], second.stats["cache_misses"]) == (1, 1, 0)
     assert first.train["input_ids"] == second.train["input_ids"] and first.train["labels"] == second.train["labels"]
     other = build(config_for(source, cache=True, max_seq_len=512), tiny)  # settings are part of the key
-    assert other.stats["cache_misses"] == 2
+    assert other.stats["cache_misses"] == 1
     parallel = build(config_for(source, num_proc=2), tiny)
     assert parallel.train["input_ids"] == first.train["input_ids"]
 

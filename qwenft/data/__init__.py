@@ -14,9 +14,12 @@ Modules, one step each:
   trainer saw.
 - :mod:`~qwenft.data.mix`: seeded eval hold-out, exact-ratio mixing (the largest-weight source used once per
   epoch, the others sampled to the ratio without replacement while rows last).
-- :mod:`~qwenft.data.pipeline`: :func:`build` ties the steps together (the rows go into ``datasets.map`` as a
-  typed messages column, the tokenizer as an argument), caches tokenized data by content + tokenizer +
-  settings, and returns a :class:`DataBundle`: datasets, stats, the held-out rows with their token ids (which
+- :mod:`~qwenft.data.encode`: token ids and labels in a batched ``datasets.map`` (the rows as a typed messages
+  column, the tokenizer as an argument), written to disk; :mod:`~qwenft.data.store`: cache entries in shards
+  (resumable, memory-mapped, listed and cleared); :mod:`~qwenft.data.source`: one source read once, keyed by the
+  file's bytes + tokenizer + settings (a hit reads nothing).
+- :mod:`~qwenft.data.pipeline`: :func:`build` ties the steps together (eval hold-out, usable rows and statistics on
+  whole columns) and returns a :class:`DataBundle`: datasets, stats, the held-out rows with their token ids (which
   evaluation uses as they are) and the packing.
 - :mod:`~qwenft.data.collate`: packing in one place: :func:`packing_of` decides it from the config (the bundle
   carries it), :func:`pack` / :func:`pack_examples` build the rows, :func:`collator` gives the Trainer its

@@ -127,3 +127,34 @@ def preview(config: Config) -> None:
                        + ("supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted")), width=rule_width)
     console.print(render_example(tokenizer, sample["input_ids"], sample["labels"], markers))
     console.print(Rule(), width=rule_width)
+
+
+def cache_command(args: Sequence[str]) -> None:
+    """``python -m qwenft data cache=list`` (the tokenized-data cache entries: key, source, rows, size, date, or
+    the shards a killed run finished) and ``cache=clear`` (remove them all; ``cache=clear KEY...`` those whose key
+    starts with a given prefix).
+
+    Raises:
+        QwenftError: any other argument.
+    """
+    from qwenft.config import QwenftError
+    from qwenft.data.store import clear, data_root, entries
+
+    action, keys = args[0].partition("=")[2], list(args[1:])
+    if action not in ("list", "clear") or (keys and action == "list"):
+        raise QwenftError(f"data {' '.join(args)}: expected cache=list or cache=clear [KEY_PREFIX ...]")
+    if action == "clear":
+        removed = clear(keys)
+        (data_root() / ".digests.json").unlink(missing_ok=True)  # file hashes: recomputed when next needed
+        print(f"removed {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} "
+              f"({sum(e['bytes'] for e in removed) / 2**20:.1f} MB) from {data_root()}")
+        return
+    found = entries()
+    print(f"{len(found)} cache entr{'y' if len(found) == 1 else 'ies'} in {data_root()}"
+          f" ({sum(e['bytes'] for e in found) / 2**20:.1f} MB)")
+    for e in found:
+        state = (f"{e.get('rows', '?')} rows, {e.get('created', '')}" if e["complete"]
+                 else "written by an older qwenft, not used" if e.get("legacy")
+                 else f"incomplete: {e['shards_done']} shard(s) done (the next run resumes them)")
+        source = f"{e.get('name', '?')}: {e['source']}" if "source" in e else "(source not recorded)"
+        print(f"  {e['key'][:12]}  {source}  {e['bytes'] / 2**20:.1f} MB  {state}")

@@ -53,6 +53,15 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
     Raises:
         DataError: ``n_eval`` is larger than the number of rows, or a row lacks the ``by`` field.
     """
+    chosen = set(eval_indices(rows, n_eval, seed, name, by))
+    held = [row for i, row in enumerate(rows) if i in chosen]
+    kept = [row for i, row in enumerate(rows) if i not in chosen]
+    return held, kept
+
+
+def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Optional[str] = None) -> List[int]:
+    """The positions in ``rows`` that :func:`split_eval` holds out, ascending. ``rows`` is only indexed for
+    ``by`` (its ``meta``); otherwise only its length is used, so any sequence of rows will do (a lazy one)."""
     if n_eval > len(rows):
         raise DataError(f"eval_rows={n_eval} but the source has only {len(rows)} usable rows", file=name)
     rng = random.Random(f"{seed}:{name}:eval")
@@ -60,7 +69,8 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
         chosen = set(rng.sample(range(len(rows)), n_eval))
     else:
         groups: Dict[object, List[int]] = {}
-        for i, row in enumerate(rows):
+        for i in range(len(rows)):
+            row = rows[i]
             if by not in row["meta"]:
                 raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
                                 f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",
@@ -76,9 +86,7 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
                 if depth < len(members) and len(chosen) < n_eval:
                     chosen.add(members[depth])
             depth += 1
-    held = [row for i, row in enumerate(rows) if i in chosen]
-    kept = [row for i, row in enumerate(rows) if i not in chosen]
-    return held, kept
+    return sorted(chosen)
 
 
 def mix_counts(available: Dict[str, int], weights: Dict[str, float]) -> Dict[str, int]:

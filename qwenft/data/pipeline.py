@@ -1,34 +1,29 @@
 """``build``: sources -> normalised rows -> eval hold-out -> token ids + labels (cached) -> mixed -> packed.
 
-One way through: the rows' messages go into ``datasets.map`` as a typed column (:func:`example_features`), the
-tokenizer as an argument of the map function (``fn_kwargs``), and the held-out rows come back with their ids.
+One way through: each source is read once and tokenized into a cache entry on disk (:mod:`qwenft.data.source`),
+the eval hold-out, usable rows and statistics are index arithmetic on its columns, and the held-out rows come back
+with their ids.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import pickle
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from qwenft.config import Config, ConfigError, DataConfig, DataSource
-from qwenft.data.checks import eval_rows_for, eval_share_warning, placeholder_warning, skipped_lines
+from qwenft.config import Config, ConfigError, DataConfig
+from qwenft.data.checks import eval_rows_for, eval_share_warning, skipped_lines
 from qwenft.data.collate import Packing, pack_examples, packing_of
+from qwenft.data.encode import CACHE_VERSION, encode_batch, tokenize_rows, tokenizer_fingerprint  # noqa: F401
 from qwenft.data.formats import DataError
-from qwenft.data.mix import choose, mix_counts, split_eval
-from qwenft.data.read import read_rows
-from qwenft.data.template import IGNORE_INDEX, encode_many, prompt_ids, system_counts, trained_system
-from qwenft.files import staging_dir
+from qwenft.data.mix import choose, eval_indices, mix_counts
+from qwenft.data.source import load_source
+from qwenft.data.store import ENCODED  # noqa: F401  (the columns tokenize_rows returns)
+from qwenft.data.template import prompt_ids, trained_system
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # bump when the encoding or its columns change, so old cached datasets are not reused
 COLUMNS = ["input_ids", "labels", "length"]
-ENCODED = ["row", *COLUMNS, "overflow", "supervised", "prompt_len", "error"]  # what tokenize_rows returns
 
 
 @dataclass
@@ -62,172 +57,54 @@ class DataBundle:
     packing: Packing = field(default_factory=Packing)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
-    digest = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None
-                  else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    digest.update(str(tokenizer.chat_template).encode())
-    digest.update(json.dumps([tokenizer.eos_token, tokenizer.pad_token]).encode())
-    return digest.hexdigest()
+def _column(ds, name: str):
+    """The column ``name`` of ``ds`` (a dataset without an indices mapping) as one numpy array, read whole from
+    Arrow (never row by row)."""
+    import numpy as np
+
+    return np.asarray(ds.with_format("arrow")[name])
 
 
-def example_features():
-    """The ``datasets.Features`` of the rows going into tokenization: ``row`` (int), ``messages`` (a list of
-    ``{role, content}`` texts; empty for ``text`` rows) and ``text`` (null for conversations)."""
-    import datasets
-
-    text = datasets.Value("string")
-    return datasets.Features({"row": datasets.Value("int64"),
-                              "messages": datasets.List({"role": text, "content": text}), "text": text})
-
-
-class _CPickled:
-    """Travels to ``datasets.map``'s worker processes as ``obj`` pickled once by the standard library's C pickler,
-    and arrives as ``obj`` itself. The workers' transport (dill) pickles in pure Python: 1.1 s per worker for Qwen's
-    tokenizer (its Python copies of the 151k-entry vocabulary and merges) against 0.16 s once, where tokenizing
-    1,000 rows takes 0.4 s."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj, self.blob = obj, None
-
-    def __reduce__(self):
-        if self.blob is None:
-            self.blob = pickle.dumps(self.obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return pickle.loads, (self.blob,)
-
-
-def encode_batch(batch: Dict[str, list], *, tokenizer, max_seq_len: int, train_on: str,
-                 system_prompt: Optional[str], file: str, unit: str) -> Dict[str, list]:
-    """The ``datasets.map`` function (batched): rows ``row, messages, text`` -> token ids and labels.
-
-    The tokenizer and settings come as keyword arguments (``fn_kwargs``); a module-level function, so ``num_proc``
-    workers receive it by name. Per row: ``input_ids``, ``labels``, ``length``, ``overflow`` (tokens cut),
-    ``supervised`` (supervised tokens kept), ``prompt_len`` (see :func:`qwenft.data.template.encode_many`) and
-    ``error`` (the located DataError text, "" when none; the token columns are then empty or 0).
-    """
-    if isinstance(tokenizer, _CPickled):  # a shard run in this process
-        tokenizer = tokenizer.obj
-    items = list(zip(batch["messages"], batch["text"]))
-    results = encode_many(tokenizer, items, max_seq_len=max_seq_len, train_on=train_on, system_prompt=system_prompt)
-    out: Dict[str, list] = {name: [] for name in ENCODED if name != "row"}
-    for row, result in zip(batch["row"], results):
-        error = isinstance(result, DataError)
-        ids = [] if error else result["input_ids"]
-        out["input_ids"].append(ids)
-        out["labels"].append([] if error else result["labels"])
-        out["length"].append(len(ids))
-        out["overflow"].append(0 if error else result["overflow"])
-        out["supervised"].append(0 if error else sum(label != IGNORE_INDEX for label in result["labels"]))
-        out["prompt_len"].append(0 if error else result["prompt_len"])
-        out["error"].append(str(result.located(file, row, unit)) if error else "")
-    return out
-
-
-def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig, file: str, unit: str) -> str:
-    """The cache entry of ``rows``: a hash of everything the tokenized dataset holds or depends on."""
-    digest = hashlib.sha256()
-    settings = [CACHE_VERSION, fingerprint, dcfg.max_seq_len, dcfg.train_on, dcfg.system_prompt, file, unit]
-    digest.update(json.dumps(settings).encode())
-    for row in rows:  # the row numbers too: the dataset holds them (and its error messages name them)
-        digest.update(json.dumps([row["row"], row["messages"], row["text"]], ensure_ascii=False).encode())
-    return digest.hexdigest()[:32]
-
-
-def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource, unit: str, fingerprint: str,
-                  split: str):
-    """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached.
-
-    The rows become a typed table first (:func:`example_features`: every message exactly ``{role, content}``);
-    :func:`encode_batch` gets the tokenizer through ``fn_kwargs`` (with ``num_proc > 1`` datasets pickles it to
-    each worker, here with the C pickler, :class:`_CPickled`; the cache key is the map's fingerprint, so datasets
-    never hashes it). The cache key hashes the rows (row numbers and contents), the file and unit the error
-    messages name, the tokenizer (:func:`tokenizer_fingerprint`) and the settings that change the tokens
-    (max_seq_len, train_on, system_prompt). With ``data.cache`` a hit loads the saved dataset from
-    ``<qwenft cache>/data/<key>`` instead of tokenizing; a miss saves what it built there (written to a temporary
-    folder, then renamed into place) and returns the built dataset itself.
+def _usable(encoded, indices, dcfg: DataConfig, counts: Dict[str, Any], name: str):
+    """Apply on_bad_row and overlong to the rows ``indices`` (numpy, ascending) of a tokenized source (whole
+    columns, no row loop); fills ``counts``.
 
     Returns:
-        ``(dataset, cache_hit)``; columns :data:`ENCODED` (``row, input_ids, labels, length, overflow,
-        supervised, prompt_len, error``), one row per input row, in order.
+        ``(usable, columns)``: the usable rows (``encoded.select``) and their ``length``, ``overflow``,
+        ``supervised`` and ``row`` as numpy arrays (for the statistics, without reading the rows again).
     """
-    import datasets
-    from qwenft.runtime import cache_dir
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-    key = _cache_key(rows, fingerprint, dcfg, src.path, unit)
-    path = cache_dir() / "data" / key
-    if dcfg.cache and (path / "dataset_info.json").is_file():
-        return datasets.load_from_disk(str(path)), True
-    if not rows:  # map() never calls the encoder on no rows, so the columns are made here
-        return datasets.Dataset.from_dict({name: [] for name in ENCODED}), False
-    table = datasets.Dataset.from_dict({
-        "row": [r["row"] for r in rows],
-        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] if r["text"] is None
-                     else [] for r in rows],
-        "text": [r["text"] for r in rows]}, features=example_features())
-    num_proc = dcfg.num_proc if dcfg.num_proc > 1 and len(rows) >= 2 * dcfg.num_proc else None
-    settings = {"tokenizer": _CPickled(tokenizer) if num_proc else tokenizer, "max_seq_len": dcfg.max_seq_len,
-                "train_on": dcfg.train_on, "system_prompt": dcfg.system_prompt, "file": src.path, "unit": unit}
-    encoded = table.map(encode_batch, fn_kwargs=settings, batched=True, batch_size=64, num_proc=num_proc,
-                        remove_columns=["messages", "text"], new_fingerprint=key,
-                        desc=f"tokenizing {src.name} ({split})")
-    if dcfg.cache:
-        _save(encoded, path)
-    return encoded, False
-
-
-def _save(encoded, path) -> None:
-    """Save ``encoded`` as the cache entry ``path``: into a temporary folder beside it, renamed into place whole."""
-    import datasets
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    work = str(staging_dir(path.parent))
-    bars = datasets.utils.are_progress_bars_disabled()
-    try:
-        datasets.utils.disable_progress_bars()  # saving takes milliseconds: no bar for it
-        encoded.save_to_disk(work)
-        try:
-            os.replace(work, path)
-        except OSError:  # another process saved the same key first: identical content
-            pass
-    finally:
-        if not bars:
-            datasets.utils.enable_progress_bars()
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _usable(encoded, dcfg: DataConfig, counts: Dict[str, Any], name: str):
-    """Apply on_bad_row and overlong to a tokenized source; returns the usable rows and fills ``counts``."""
-    errors, overflow, supervised = encoded["error"], encoded["overflow"], encoded["supervised"]
-    bad = [e for e in errors if e]
+    errors = encoded.with_format("arrow")["error"].take(pa.array(indices, type=pa.int64()))
+    failed = np.asarray(pc.not_equal(errors, ""), dtype=bool) if len(errors) else np.zeros(0, dtype=bool)
+    bad = errors.filter(pa.array(failed, type=pa.bool_())).to_pylist() if failed.any() else []
     if bad and dcfg.on_bad_row == "error":
         raise DataError(bad[0])
     for line in skipped_lines(name, bad, len(errors)):
         log.warning("%s", line)
-    keep, truncated, dropped = [], 0, 0
-    for i, (error, cut, sup) in enumerate(zip(errors, overflow, supervised)):
-        if error:
-            continue
-        if cut and (dcfg.overlong == "drop" or sup == 0):  # truncation that leaves nothing to learn also drops
-            dropped += 1
-            continue
-        truncated += bool(cut)
-        keep.append(i)
+    cut = _column(encoded, "overflow")[indices] > 0
+    # truncation that leaves nothing to learn also drops
+    drop = ~failed & cut & ((_column(encoded, "supervised")[indices] == 0) | (dcfg.overlong == "drop"))
+    keep = np.flatnonzero(~failed & ~drop)
     counts["skipped"] += len(bad)
-    counts["truncated"] += truncated
-    counts["dropped"] += dropped
-    return encoded.select(keep)
+    counts["truncated"] += int(np.count_nonzero(cut[keep]))
+    counts["dropped"] += int(np.count_nonzero(drop))
+    rows = indices[keep]
+    columns = {column: _column(encoded, column)[rows] for column in ("length", "overflow", "supervised", "row")}
+    return (encoded if len(rows) == len(encoded) else encoded.select(rows)), columns
 
 
-def _percentiles(values: List[int]) -> Dict[str, int]:
+def _percentiles(values) -> Dict[str, int]:
     import numpy as np
 
-    if not values:
+    values = np.asarray(values, dtype=np.int64)
+    if not len(values):
         return {"p50": 0, "p95": 0, "max": 0, "mean": 0}
     p50, p95 = np.percentile(values, [50, 95])  # linear interpolation between order statistics
-    return {"p50": int(round(p50)), "p95": int(round(p95)), "max": int(max(values)),
-            "mean": int(round(sum(values) / len(values)))}
+    return {"p50": int(round(p50)), "p95": int(round(p95)), "max": int(values.max()),
+            "mean": int(round(int(values.sum()) / len(values)))}
 
 
 def _with_ids(held: List[dict], encoded, tokenizer, system_prompt: Optional[str]) -> List[dict]:
@@ -293,7 +170,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         (packed rows, or examples), ``eval_examples``, ``tokens`` (p50 / p95 / max / mean length of the
         used examples before truncation), ``truncated``, ``dropped``, ``skipped``, ``supervised_share``
         (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)),
-        ``cache_hits`` / ``cache_misses`` and ``system_prompt`` (the one most training examples carried and its
+        ``cache_hits`` / ``cache_misses`` (sources found in / added to the cache, :mod:`qwenft.data.source`) and
+        ``system_prompt`` (the one most training examples carried and its
         share, :func:`qwenft.data.template.trained_system`).
 
     Raises:
@@ -302,6 +180,7 @@ def build(config: Config, tokenizer) -> DataBundle:
             ``on_bad_row=skip``), a weighted source left with no rows.
     """
     import datasets
+    import numpy as np
 
     dcfg = config.data
     if not dcfg.sources:
@@ -310,31 +189,33 @@ def build(config: Config, tokenizer) -> DataBundle:
     packing = packing_of(config)
     per_source: Dict[str, Dict[str, Any]] = {}
     usable: Dict[str, Any] = {}
+    columns: Dict[str, Dict[str, Any]] = {}  # per source: length, overflow, supervised, row of its usable rows
     held_out: Dict[str, Any] = {}
     eval_rows: Dict[str, List[dict]] = {}
     systems: Dict[str, Dict[Optional[str], int]] = {}  # per source: system prompt -> rows trained with it
     hits = misses = 0
     for index, src in enumerate(dcfg.sources):
-        rows, skipped, unit = read_rows(src, dcfg.on_bad_row, index)
-        for line in skipped_lines(src.name, skipped, len(rows) + len(skipped)):  # before any other check
+        data = load_source(src, index, dcfg, tokenizer, fingerprint)  # read + tokenized, or from the cache
+        hits, misses = hits + data.hit, misses + (not data.hit)
+        n, skipped = len(data.rows), data.skipped
+        for line in skipped_lines(src.name, skipped, n + len(skipped)):  # before any other check
             log.warning("%s", line)
-        n_eval, clamped = eval_rows_for(src, index, len(rows))  # more than the source has: clamped or refused
-        for warning in (clamped, placeholder_warning(rows, src, index), eval_share_warning(src, index, len(rows))):
+        n_eval, clamped = eval_rows_for(src, index, n)  # more than the source has: clamped or refused
+        for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
             if warning:
                 log.warning("%s", warning)
-        held, kept = split_eval(rows, n_eval, dcfg.seed, src.name, src.eval_by)
-        counts = {"path": src.path, "format": src.format, "rows_read": len(rows) + len(skipped),
-                  "skipped": len(skipped), "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
-        if held:
-            encoded, hit = tokenize_rows(held, tokenizer, dcfg, src, unit, fingerprint, "eval")
-            hits, misses = hits + hit, misses + (not hit)
-            eval_rows[src.name] = _with_ids(held, encoded, tokenizer, dcfg.system_prompt)
-            held_out[src.name] = _usable(encoded, dcfg, {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
+        held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by), dtype=np.int64)
+        kept_idx = np.setdiff1d(np.arange(n, dtype=np.int64), held_idx, assume_unique=True)
+        counts = {"path": src.path, "format": src.format, "rows_read": n + len(skipped),
+                  "skipped": len(skipped), "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
+        if len(held_idx):
+            held = data.take(held_idx)
+            eval_rows[src.name] = _with_ids(held, data.encoded.select(held_idx), tokenizer, dcfg.system_prompt)
+            held_out[src.name], _ = _usable(data.encoded, held_idx, dcfg,
+                                            {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
         if src.weight > 0:
-            systems[src.name] = system_counts(kept, dcfg.system_prompt)
-            encoded, hit = tokenize_rows(kept, tokenizer, dcfg, src, unit, fingerprint, "train")
-            hits, misses = hits + hit, misses + (not hit)
-            usable[src.name] = _usable(encoded, dcfg, counts, src.name)
+            systems[src.name] = data.system_counts(kept_idx, dcfg.system_prompt)
+            usable[src.name], columns[src.name] = _usable(data.encoded, kept_idx, dcfg, counts, src.name)
         counts["usable"] = len(usable[src.name]) if src.name in usable else 0
         per_source[src.name] = counts
 
@@ -346,9 +227,13 @@ def build(config: Config, tokenizer) -> DataBundle:
     picked = choose(available, counts_used, dcfg.seed)
     names = list(usable)
     offsets = {name: sum(available[n] for n in names[:k]) for k, name in enumerate(names)}
-    pool = datasets.concatenate_datasets([usable[n].select_columns(COLUMNS + ["overflow", "supervised", "row"])
-                                          for n in names])
-    selected = pool.select([offsets[name] + i for name, i in picked])
+    code = {name: k for k, name in enumerate(names)}
+    order = np.fromiter((offsets[name] + i for name, i in picked), dtype=np.int64, count=len(picked))
+    origin = np.fromiter((code[name] for name, _ in picked), dtype=np.int64, count=len(picked))
+    pool = datasets.concatenate_datasets([usable[n].select_columns(COLUMNS + ["row"]) for n in names])
+    selected = pool.select(order)
+    chosen = {column: np.concatenate([columns[n][column] for n in names])[order]
+              for column in ("length", "overflow", "supervised", "row")}
     total = len(selected)
     active = sum(w for w in weights.values() if w > 0)
     for name, counts in per_source.items():
@@ -356,9 +241,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         counts.update(used=used, repeats=max(0, used - counts["usable"]),
                       share_target=round(weights[name] / active, 6), share_achieved=round(used / total, 6))
 
-    lengths = selected["length"]
-    full_lengths = [n + cut for n, cut in zip(lengths, selected["overflow"])]
-    n_tokens, n_supervised = sum(lengths), sum(selected["supervised"])
+    full_lengths = chosen["length"] + chosen["overflow"]
+    n_tokens, n_supervised = int(chosen["length"].sum()), int(chosen["supervised"].sum())
     train = (pack_examples(selected, packing.max_len) if packing.packed
              else selected.select_columns(["input_ids", "labels"]))
     evals = [held_out[n].select_columns(["input_ids", "labels"]) for n in held_out if len(held_out[n])]
@@ -380,8 +264,6 @@ def build(config: Config, tokenizer) -> DataBundle:
              total, ", ".join(f"{n} {c['used']}" for n, c in per_source.items()), len(eval_ds),
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
              stats["dropped"])
-    row_ids: Dict[str, List[int]] = {name: [] for name in names}
-    for (name, _), row in zip(picked, selected["row"]):
-        row_ids[name].append(row)
+    row_ids = {name: chosen["row"][origin == k].tolist() for k, name in enumerate(names)}
     return DataBundle(train=train, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
                       train_row_ids=row_ids, packing=packing)

@@ -46,7 +46,7 @@ def near_file(path: str) -> str:
     return f"; did you mean {Path(path).with_name(match[0])}?" if match else ""
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A file path rather than a Hugging Face dataset id (``name`` or ``owner/name``)."""
     data_suffixes = FILE_SUFFIXES + (".txt", ".tsv", ".gz", ".zip", ".arrow", ".xlsx")
     return (path.lower().endswith(data_suffixes) or path.startswith((".", "/", "~", "\\")) or path.count("/") > 1
@@ -198,7 +198,7 @@ def records(source: DataSource) -> Tuple[Iterator[Record], str, str]:
         DataError: the path does not exist, has an unsupported suffix, is not UTF-8, is malformed as a whole
             (a JSON file), or names no loadable dataset.
     """
-    local = _looks_local(source.path) or resolve_path(source.path).exists()
+    local = looks_local(source.path) or resolve_path(source.path).exists()
     if not local:
         return _hub(source), "row", source.path
     path = resolve_path(source.path)
@@ -221,12 +221,13 @@ def records(source: DataSource) -> Tuple[Iterator[Record], str, str]:
     return iterator, unit, file
 
 
-def read_rows(source: DataSource, on_bad_row: str = "error",
-              index: Optional[int] = None) -> Tuple[List[dict], List[str], str]:
+def read_rows(source: DataSource, on_bad_row: str = "error", index: Optional[int] = None,
+              notes: Optional[List[str]] = None) -> Tuple[List[dict], List[str], str]:
     """:func:`read_source` with more detail; ``index``: the source's place in ``data.sources``, for the overrides
     a missing field's error suggests (``data.sources.N.format=...``).
 
-    Every text of a record gets ``source.replace`` filled in first (``{{name}}`` -> its value).
+    Every text of a record gets ``source.replace`` filled in first (``{{name}}`` -> its value). ``notes`` collects
+    the warnings logged (a ``replace`` key no row holds).
 
     Returns:
         ``(rows, skipped, unit)``: the normalised rows, the messages of skipped bad rows (``on_bad_row=skip``)
@@ -258,10 +259,19 @@ def read_rows(source: DataSource, on_bad_row: str = "error",
             break
     if skipped and not rows:
         raise DataError(f"all {len(skipped)} rows were skipped as bad (first: {skipped[0]})", file=source.name)
-    unused = [key for key in source.replace if key not in used]
-    if unused and rows:
-        log.warning("%s: replace: no row holds %s", source.name, ", ".join(f"{{{{{key}}}}}" for key in unused))
+    warning = unused_warning(source, used) if rows else None
+    if warning:
+        log.warning("%s", warning)
+        if notes is not None:  # kept with a cached source, to be said again when it is read from the cache
+            notes.append(warning)
     return rows, skipped, unit
+
+
+def unused_warning(source: DataSource, used: Set[str]) -> Optional[str]:
+    """The warning for ``replace`` keys no row of ``source`` held (``used``: the keys filled), else None."""
+    unused = [key for key in source.replace if key not in used]
+    return (f"{source.name}: replace: no row holds {', '.join(f'{{{{{key}}}}}' for key in unused)}" if unused
+            else None)
 
 
 def read_source(source: DataSource, *, on_bad_row: str = "error",
