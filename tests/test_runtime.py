@@ -93,3 +93,69 @@ def test_freed_activations_of_a_few_mib_leave_the_resident_set():
 
     off, on = stayed("off"), stayed("on")
     assert on < 32 <= off, f"MiB left resident: {off} by default, {on} with the setting"
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of the mappings of ``path`` (smaps' ``Rss``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = len(head) == 6 and head[5] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def _mapped_tensors(path, sizes):
+    """A file of float32 tensors of ``sizes`` elements, mapped privately (as transformers maps a checkpoint), and
+    float32 views of it; every page read once (as quantizing reads them)."""
+    import mmap
+
+    values = [torch.arange(n, dtype=torch.float32) + 1000 * k for k, n in enumerate(sizes)]
+    path.write_bytes(b"".join(v.numpy().tobytes() for v in values))
+    with open(path, "r+b") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    views, offset = [], 0
+    for n in sizes:
+        views.append(torch.frombuffer(mapping, dtype=torch.float32, count=n, offset=offset))
+        offset += 4 * n
+    assert sum(float(v.sum()) for v in views) > 0  # reads every page
+    return values, views, mapping
+
+
+@linux_only
+def test_weights_leave_a_mapped_checkpoint_without_its_pages_adding_to_the_peak(tmp_path):
+    from qwenft.runtime import file_mappings, release_mapped_weights
+
+    path = tmp_path / "model.safetensors"
+    sizes = [8 * MiB // 4, 16 * MiB // 4, 4 * MiB // 4]  # the middle one stands for weights quantized away
+    values, views, mapping = _mapped_tensors(path, sizes)  # held: the mapping outlives the views
+    assert _mapped_rss(path) >= 27 * MiB  # 28 MiB read: resident
+    kept = [torch.nn.Parameter(views[0], requires_grad=False), torch.nn.Parameter(views[2], requires_grad=False)]
+    del views
+    copied = release_mapped_weights(kept)
+    assert copied == 12 * MiB
+    for param, value in zip(kept, (values[0], values[2])):
+        assert torch.equal(param.data, value)  # the copies hold the file's values
+        assert not any(a <= param.data_ptr() < b for a, b, _ in file_mappings())
+    # The mapping is still there (held), its pages no longer resident: at most a page at each tensor boundary.
+    assert _mapped_rss(path) <= 4 * 4096
+    mapping.close()
+
+
+@linux_only
+def test_a_written_mapping_is_copied_but_none_of_its_pages_dropped(tmp_path):
+    from qwenft.runtime import release_mapped_weights
+
+    path = tmp_path / "model.safetensors"
+    values, views, mapping = _mapped_tensors(path, [4 * MiB // 4, 4 * MiB // 4])
+    views[1][0] = -7.0  # a private copy of that page now: dropping it would bring back the file's 1000.0
+    kept = [torch.nn.Parameter(v, requires_grad=False) for v in views]
+    del views
+    assert release_mapped_weights(kept) == 8 * MiB
+    assert float(kept[1].data[0]) == -7.0 and torch.equal(kept[1].data[1:], values[1][1:])
+    assert torch.equal(kept[0].data, values[0])
+    assert _mapped_rss(path) >= 7 * MiB  # nothing dropped: the mapping had a written page
+    mapping.close()
