@@ -10,14 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from qwenft.config import DataConfig, DataSource
 from qwenft.data.formats import DataError
-from qwenft.data.store import ENCODED, build_entry, complete, data_root, encoded_features, load_entry, scratch_entry
+from qwenft.data.store import (ENCODED, WRITE_ROWS, build_entry, complete, data_root, encoded_features, load_entry,
+                               scratch_entry)
 from qwenft.data.template import IGNORE_INDEX, encode_many
 
-CACHE_VERSION = 5  # bump when the encoding or its columns change, so old cached datasets are not reused
+CACHE_VERSION = 6  # bump when the encoding or its columns change, so old cached datasets are not reused
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -87,7 +88,7 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
                   split: str):
     """Tokenize normalised rows through ``datasets.map`` (batched, ``data.num_proc`` processes), cached, on disk.
 
-    The rows are written to an Arrow file first (:func:`qwenft.data.store.write_rows`: every message exactly
+    The rows are written to an Arrow file first (:class:`qwenft.data.store.ShardInput`: every message exactly
     ``{role, content}``) and mapped from that memory map, :data:`qwenft.data.store.SHARD_ROWS` rows at a time,
     each shard's output written to its own file (:func:`qwenft.data.store.build_entry`): the tokenized data is
     never held in memory. :func:`encode_batch` gets the tokenizer through ``fn_kwargs`` (with ``num_proc > 1``
@@ -106,17 +107,21 @@ def tokenize_rows(rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource
     entry = data_root() / key if dcfg.cache else scratch_entry()
     if dcfg.cache and complete(entry):
         return load_entry(entry), True
-    tokenize_into(entry, rows, tokenizer, dcfg, src, unit, key, split, {"source": src.path, "name": src.name,
-                                                                        "split": split})
+    batches = (rows[start:start + WRITE_ROWS] for start in range(0, len(rows), WRITE_ROWS))
+    tokenize_into(entry, batches, tokenizer, dcfg, src, unit, key, split, {"source": src.path, "name": src.name,
+                                                                           "split": split})
     return load_entry(entry), False
 
 
-def tokenize_into(entry, rows: List[dict], tokenizer, dcfg: DataConfig, src: DataSource, unit: str, key: str,
-                  desc: str, info: Dict[str, Any]) -> None:
-    """Tokenize ``rows`` into the cache entry folder ``entry`` (:func:`qwenft.data.store.build_entry`: shard by
-    shard, resuming a killed run's finished shards) with :func:`encode_batch` in ``datasets.map`` (``data.num_proc``
-    processes); ``key`` is the map's fingerprint, ``desc`` names the progress bar, ``info`` goes to
-    ``entry.json``."""
+def tokenize_into(entry, batches: Iterable[Sequence[dict]], tokenizer, dcfg: DataConfig, src: DataSource, unit: str,
+                  key: str, desc: str, info: Dict[str, Any], final: Callable[[], Dict[str, Any]] = dict) -> bool:
+    """Tokenize the rows of ``batches`` (normalised rows, a batch at a time, as they stream) into the cache entry
+    folder ``entry`` (:func:`qwenft.data.store.build_entry`: shard by shard, resuming a killed run's finished shards)
+    with :func:`encode_batch` in ``datasets.map`` (``data.num_proc`` processes); ``key`` is the map's fingerprint,
+    ``desc`` names the progress bar, ``info`` (and ``final()``, once the rows are all read) go to ``entry.json``.
+
+    Returns:
+        Whether the entry was built here (False: another process completed it meanwhile; ``batches`` unread)."""
     settings = {"max_seq_len": dcfg.max_seq_len, "train_on": dcfg.train_on, "system_prompt": dcfg.system_prompt,
                 "file": src.path, "unit": unit}
 
@@ -128,4 +133,4 @@ def tokenize_into(entry, rows: List[dict], tokenizer, dcfg: DataConfig, src: Dat
                         cache_file_name=cache_file, load_from_cache_file=False,
                         desc=f"tokenizing {src.name} ({desc}{', ' + shard if shard else ''})")
 
-    build_entry(entry, rows, map_shard, info)
+    return build_entry(entry, batches, map_shard, info, final)

@@ -60,7 +60,7 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
 
 
 def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Optional[str] = None) -> List[int]:
-    """The positions in ``rows`` that :func:`split_eval` holds out, ascending. ``rows`` is only indexed for
+    """The positions in ``rows`` that :func:`split_eval` holds out, ascending. ``rows`` is only iterated for
     ``by`` (its ``meta``); otherwise only its length is used, so any sequence of rows will do (a lazy one)."""
     if n_eval > len(rows):
         raise DataError(f"eval_rows={n_eval} but the source has only {len(rows)} usable rows", file=name)
@@ -69,8 +69,7 @@ def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Op
         chosen = set(rng.sample(range(len(rows)), n_eval))
     else:
         groups: Dict[object, List[int]] = {}
-        for i in range(len(rows)):
-            row = rows[i]
+        for i, row in enumerate(rows):  # iterated, not indexed: a lazy sequence reads its rows in batches
             if by not in row["meta"]:
                 raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
                                 f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",

@@ -197,8 +197,8 @@ def build(config: Config, tokenizer) -> DataBundle:
     for index, src in enumerate(dcfg.sources):
         data = load_source(src, index, dcfg, tokenizer, fingerprint)  # read + tokenized, or from the cache
         hits, misses = hits + data.hit, misses + (not data.hit)
-        n, skipped = len(data.rows), data.skipped
-        for line in skipped_lines(src.name, skipped, n + len(skipped)):  # before any other check
+        n, skipped = len(data.rows), data.n_skipped
+        for line in skipped_lines(src.name, data.skipped, n + skipped, skipped):  # before any other check
             log.warning("%s", line)
         n_eval, clamped = eval_rows_for(src, index, n)  # more than the source has: clamped or refused
         for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
@@ -206,8 +206,8 @@ def build(config: Config, tokenizer) -> DataBundle:
                 log.warning("%s", warning)
         held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by), dtype=np.int64)
         kept_idx = np.setdiff1d(np.arange(n, dtype=np.int64), held_idx, assume_unique=True)
-        counts = {"path": src.path, "format": src.format, "rows_read": n + len(skipped),
-                  "skipped": len(skipped), "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
+        counts = {"path": src.path, "format": src.format, "rows_read": n + skipped,
+                  "skipped": skipped, "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
         if len(held_idx):
             held = data.take(held_idx)
             eval_rows[src.name] = _with_ids(held, data.encoded.select(held_idx), tokenizer, dcfg.system_prompt)

@@ -1,0 +1,180 @@
+"""Issue 28: the data path streams. Files are read a block at a time (a JSON array element by element, with its
+errors located as when read whole), rows go to disk shard by shard as they are read (a read that fails halfway
+leaves the shards before it, and the rerun tokenizes only the others, with the same ids), and the skipped-row
+counts stay exact when only the first messages are kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qwenft.config import Config, DataConfig, DataSource, TinyModelConfig
+from qwenft.data import DataError, build, read_source
+from qwenft.model import load_tokenizer
+from tests.test_data import qa_rows, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from qwenft.model.tiny import tiny_model_dir
+
+    return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Windows of 7 bytes: every element, string and multi-byte character of a small file crosses a block edge."""
+    from qwenft.data import records
+
+    monkeypatch.setattr(records, "BLOCK", 7)
+
+
+def rows_of(path: Path, **source):
+    return read_source(DataSource(name="x", path=str(path), **source))
+
+
+ROWS = [{"instruction": f"问题 {i} \"quoted\" \\ é", "input": i, "output": f"answer {i}. 春天 🌸"} for i in range(9)]
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_read_in_small_blocks_equals_the_whole_read(tmp_path, small_blocks, indent):
+    """Minified (one line) and indented arrays, UTF-8 characters of 2-4 bytes split between blocks, numbers as
+    text: the rows equal those of the JSON Lines file."""
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(ROWS, ensure_ascii=False, indent=indent), encoding="utf-8")
+    got = rows_of(path)
+    want = rows_of(write_jsonl(tmp_path / "a.jsonl", ROWS))
+    assert [r["messages"] for r in got] == [r["messages"] for r in want] and len(got) == 9
+    assert [r["row"] for r in got] == list(range(1, 10))
+    assert got[3]["messages"][0]["content"] == "问题 3 \"quoted\" \\ é\n\n3"
+    (tmp_path / "e.json").write_text(" [ ] \n", encoding="utf-8")
+    assert rows_of(tmp_path / "e.json") == []
+    (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # a byte-order mark first
+    assert [r["messages"] for r in rows_of(tmp_path / "b.json")] == [r["messages"] for r in got]
+
+
+def test_json_errors_in_a_later_block_name_their_line_and_column(tmp_path, small_blocks):
+    lines = ["["] + [json.dumps(r, ensure_ascii=False) + "," for r in ROWS[:4]] + ['{"instruction": "q" "output": 1}]']
+    path = tmp_path / "a.json"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as info:
+        rows_of(path)
+    assert str(info.value) == f"{path}: line 6: malformed JSON: Expecting ',' delimiter (column 21)"
+    one_line = json.dumps(ROWS[:2], ensure_ascii=False)  # minified: the column counts from the line's start
+    (tmp_path / "m.json").write_text(one_line + ' {"x": 1}', encoding="utf-8")
+    with pytest.raises(DataError) as info:
+        rows_of(tmp_path / "m.json")
+    assert str(info.value).endswith(f"line 1: malformed JSON: Extra data (column {len(one_line) + 2})")
+    (tmp_path / "c.json").write_text(one_line[:-1], encoding="utf-8")  # cut short
+    with pytest.raises(DataError, match="line 1: malformed JSON: Expecting ',' delimiter"):
+        rows_of(tmp_path / "c.json")
+    data = json.dumps(ROWS[:3], indent=1).encode()
+    at = data.index(b"answer 2")
+    (tmp_path / "u.json").write_bytes(data[:at] + b"\xe9" + data[at + 1:])
+    with pytest.raises(DataError) as info:
+        rows_of(tmp_path / "u.json")
+    line = data[:at].count(b"\n") + 1
+    column = at - data.rfind(b"\n", 0, at)
+    assert str(info.value) == (f"{tmp_path / 'u.json'}: line {line}: not UTF-8 text: byte 0xe9 at byte offset {at} "
+                               f"(column {column}); re-save the file as UTF-8")
+
+
+def test_json_top_level_shapes(tmp_path, small_blocks):
+    (tmp_path / "o.json").write_text(json.dumps({"instruction": "q", "output": "a", "id": 1}), encoding="utf-8")
+    with pytest.raises(DataError, match="expected a JSON array of objects .or JSON Lines.; got an object with keys: "
+                                        "instruction, output, id"):
+        rows_of(tmp_path / "o.json")
+    (tmp_path / "s.json").write_text('"text"', encoding="utf-8")
+    with pytest.raises(DataError, match="expected a JSON array of objects, got str"):
+        rows_of(tmp_path / "s.json")
+    lines = "\n".join(json.dumps(r) for r in qa_rows(3)) + "\n"  # JSON Lines under a .json name
+    (tmp_path / "l.json").write_text(lines, encoding="utf-8")
+    assert [r["row"] for r in rows_of(tmp_path / "l.json")] == [1, 2, 3]
+    (tmp_path / "n.json").write_text("[1, 222, 3]", encoding="utf-8")  # "222" ends the first block: not cut
+    with pytest.raises(DataError, match=r"all 3 rows were skipped as bad \(first: .*row 1: expected an object"):
+        read_source(DataSource(name="x", path=str(tmp_path / "n.json")), on_bad_row="skip")
+
+
+def test_csv_and_parquet_stream_alike(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qwenft.data import records
+
+    rows = qa_rows(25)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=7)
+    (tmp_path / "a.csv").write_text("instruction,input,output\n" + "".join(
+        f"\"{r['instruction']}\nline two\",,{r['output']}\n" for r in rows), encoding="utf-8")
+    records.BATCH_ROWS, batch = 4, records.BATCH_ROWS
+    try:
+        parquet = rows_of(tmp_path / "a.parquet")
+    finally:
+        records.BATCH_ROWS = batch
+    csv_rows = rows_of(tmp_path / "a.csv")
+    assert [r["row"] for r in parquet] == list(range(1, 26)) and [r["row"] for r in csv_rows][:3] == [2, 4, 6]
+    assert [r["messages"][1] for r in parquet] == [r["messages"][1] for r in csv_rows]
+
+
+def config_for(*sources: DataSource, **data) -> Config:
+    return Config(data=DataConfig(sources=list(sources), **data))
+
+
+def test_a_read_that_fails_halfway_keeps_its_shards_and_the_rerun_gives_the_same_ids(tiny, tmp_path, monkeypatch):
+    """Rows are tokenized as they are read: a bad row at the end of the file (on_bad_row=error) is found after
+    the shards before it are on disk; the rerun with on_bad_row=skip reads the file again, tokenizes only the last
+    shard, and equals a run that never failed."""
+    from qwenft.data import encode, source as source_module, store
+
+    monkeypatch.setattr(store, "SHARD_ROWS", 4)
+    monkeypatch.setattr(source_module, "WRITE_ROWS", 3)  # batches of rows read, that do not divide a shard
+    lines = [json.dumps(r) for r in qa_rows(10)] + ['{"instruction": "q", "output": ""}']
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    source = DataSource(name="x", path=str(path), eval_rows=2)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "clean"))
+    clean = build(config_for(source, on_bad_row="skip"), tiny)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "failed"))
+    with pytest.raises(DataError, match="line 11: field 'output': empty answer"):
+        build(config_for(source), tiny)
+    assert [e["shards_done"] for e in store.entries()] == [2]  # rows 1-8 tokenized before the bad row was read
+    (entry,) = [p for p in (tmp_path / "failed" / "data").iterdir() if p.is_dir()]
+    assert not [p.name for p in entry.rglob("*") if ".tmp" in p.name or ".input" in p.name]
+    firsts, real = [], encode.encode_batch
+
+    def counted(batch, **kwargs):
+        firsts.append(batch["row"][0])
+        return real(batch, **kwargs)
+
+    monkeypatch.setattr(encode, "encode_batch", counted)
+    resumed = build(config_for(source, on_bad_row="skip"), tiny)
+    assert firsts == [9] and resumed.stats["cache_misses"] == 1  # the last shard only
+    assert resumed.train[:] == clean.train[:] and resumed.eval_rows == clean.eval_rows
+    assert resumed.stats | {"cache_misses": 1} == clean.stats | {"cache_misses": 1}
+    assert resumed.stats["sources"]["x"]["skipped"] == 1 and resumed.stats["sources"]["x"]["rows_read"] == 11
+    with pytest.raises(DataError, match="line 11: field 'output': empty answer"):  # a hit still says it
+        build(config_for(source), tiny)
+
+
+def test_skipped_rows_are_counted_beyond_the_messages_kept(tiny, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from qwenft.data import source as source_module
+
+    monkeypatch.setattr(source_module, "KEEP_SKIPPED", 2)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    lines = []
+    for i, row in enumerate(qa_rows(12)):
+        lines.append(json.dumps(row) if i % 2 else "{broken")
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    source = DataSource(name="x", path=str(path), eval_rows=1)
+    for _ in range(2):  # a miss, then a hit
+        with caplog.at_level(logging.WARNING):
+            bundle = build(config_for(source, on_bad_row="skip"), tiny)
+        counts = bundle.stats["sources"]["x"]
+        assert (counts["skipped"], counts["rows_read"], counts["usable"]) == (6, 12, 5)
+        assert "x: 6 of 12 rows were skipped as bad" in caplog.text and "... and 3 more" in caplog.text
+        assert "line 1: malformed JSON" in caplog.text and "line 3: malformed JSON" in caplog.text
+        caplog.clear()
