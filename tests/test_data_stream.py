@@ -178,3 +178,94 @@ def test_skipped_rows_are_counted_beyond_the_messages_kept(tiny, tmp_path, monke
         assert "x: 6 of 12 rows were skipped as bad" in caplog.text and "... and 3 more" in caplog.text
         assert "line 1: malformed JSON" in caplog.text and "line 3: malformed JSON" in caplog.text
         caplog.clear()
+
+
+# ----------------------------------------------------------------------------- mixing and packing on index arrays
+
+def choose_as_pairs(available, counts, seed):
+    """The pair-list choose of earlier qwenft, kept here as the reference for the order."""
+    import random
+
+    picked = []
+    for name, count in counts.items():
+        rng = random.Random(f"{seed}:{name}:mix")
+        taken = []
+        while len(taken) < count:
+            perm = list(range(available[name]))
+            rng.shuffle(perm)
+            taken.extend(perm[: count - len(taken)])
+        picked.extend((name, i) for i in taken)
+    random.Random(f"{seed}:order").shuffle(picked)
+    return picked
+
+
+@pytest.mark.parametrize("available, counts", [({"a": 10, "b": 4}, {"a": 10, "b": 9}),
+                                               ({"a": 1000, "b": 7, "c": 300}, {"a": 1000, "b": 250, "c": 0}),
+                                               ({"a": 5}, {"a": 5})])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_choose_gives_the_pair_lists_order_as_arrays(available, counts, seed):
+    import numpy as np
+
+    from qwenft.data import choose
+
+    picked = choose(available, counts, seed)
+    assert picked.source.dtype == picked.index.dtype == np.int64 and len(picked) == sum(counts.values())
+    assert list(picked) == choose_as_pairs(available, counts, seed) == picked
+    assert picked[0] == choose_as_pairs(available, counts, seed)[0]
+
+
+def test_packed_rows_are_gathered_from_the_memory_map(tiny, tmp_path):
+    """The packed training set holds offset arrays; each row is its members' ids in order, positions restarting,
+    each member's first label masked, and equal to packing the unpacked examples by hand."""
+    import numpy as np
+
+    from qwenft.data import pack
+    from qwenft.data.collate import PackedDataset
+
+    rows = [{"instruction": f"question {i} " * (1 + i % 5), "output": f"answer {i} " * (1 + i % 3)} for i in range(30)]
+    source = DataSource(name="x", path=str(write_jsonl(tmp_path / "a.jsonl", rows)))
+    unpacked = build(config_for(source, cache=False, max_seq_len=96), tiny)
+    packed = build(config_for(source, cache=False, max_seq_len=96, packing=True), tiny)
+    assert isinstance(packed.train, PackedDataset) and isinstance(packed.train.members, np.ndarray)
+    examples = unpacked.train[:]
+    groups = pack([len(ids) for ids in examples["input_ids"]], 96)
+    assert len(packed.train) == len(groups) == packed.stats["train_rows"] and len(groups) < 30
+    for r, members in enumerate(groups):
+        row = packed.train[r]
+        assert row["input_ids"] == [t for i in members for t in examples["input_ids"][i]]
+        assert row["labels"] == [t for i in members for t in [-100] + examples["labels"][i][1:]]
+        assert row["position_ids"] == [p for i in members for p in range(len(examples["input_ids"][i]))]
+    assert packed.train[-1] == packed.train[len(groups) - 1] and len(list(packed.train)) == len(groups)
+    with pytest.raises(IndexError):
+        packed.train[len(groups)]
+    assert all(isinstance(ids, np.ndarray) and ids.dtype == np.int64 for ids in packed.train_row_ids.values())
+
+
+def test_the_trainer_batches_packed_rows(tmp_path):
+    """The Trainer takes the packed set as it is (a map-style dataset, no datasets.Dataset): its dataloader gives
+    packed batches with restarting positions, the same ones for the same seed, and a finite loss."""
+    import torch
+
+    from qwenft.model import attach_lora, load_model
+    from qwenft.train.trainer import make_trainer
+    from tests.conftest import compose_config
+
+    rows = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"question {i} " * (1 + i % 4),
+                                               "output": f"answer {i}."} for i in range(24)])
+    config = compose_config("model=tiny-random", "quant=none", f"out_dir={tmp_path / 'run'}", "data.cache=false",
+                            f"data.sources=[{{name: qa, path: '{rows}', weight: 1.0, eval_rows: 4}}]",
+                            "data.packing=true", "data.max_seq_len=96", "train.batch_size=2",
+                            "train.gradient_checkpointing=false")
+    model, tokenizer = load_model(config, device="cpu")
+    model = attach_lora(model, config.lora, gradient_checkpointing=False)
+    bundle = build(config, tokenizer)
+    batches = []
+    for _ in range(2):
+        trainer = make_trainer(config, model, tokenizer, bundle, tmp_path / "ckpt")
+        batches.append(next(iter(trainer.get_train_dataloader())))
+    first = batches[0]
+    assert set(first) == {"input_ids", "labels", "position_ids"} and first["input_ids"].shape[0] == 2
+    assert all(torch.equal(first[k], batches[1][k]) for k in first)
+    assert (first["position_ids"] == 0).sum() > 2  # more than one example in a row
+    with torch.no_grad():
+        assert torch.isfinite(trainer.compute_loss(model, dict(first)))
