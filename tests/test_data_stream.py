@@ -269,3 +269,25 @@ def test_the_trainer_batches_packed_rows(tmp_path):
     assert (first["position_ids"] == 0).sum() > 2  # more than one example in a row
     with torch.no_grad():
         assert torch.isfinite(trainer.compute_loss(model, dict(first)))
+
+
+def test_the_data_command_imports_no_trainer(tmp_path):
+    """`qwenft data` loads a tokenizer only: under WANDB_MODE=offline it neither imports transformers' W&B
+    integration (the Trainer, peft, bitsandbytes: seconds of imports) nor prints its notice."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", qa_rows(6))
+    script = ("import sys\nfrom qwenft.cli import main\nmain(sys.argv[1:])\n"
+              "print('IMPORTED', sorted(m for m in ('peft', 'transformers.integrations.integration_utils', "
+              "'qwenft.train.run') if m in sys.modules))\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "QWENFT_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", script, "data", "model=tiny-random", "data.cache=false",
+                           f"data.sources=[{{name: qa, path: '{rows}', eval_rows: 1}}]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "training examples: 5" in proc.stdout and "IMPORTED []" in proc.stdout
+    assert "Running in WANDB offline mode" not in proc.stdout + proc.stderr
