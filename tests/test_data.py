@@ -185,13 +185,23 @@ def test_hugging_face_dataset_id_goes_through_load_dataset(monkeypatch):
 
     calls = []
 
-    def fake_load(path, subset, split):
-        calls.append((path, subset, split))
-        return datasets.Dataset.from_list(qa_rows(3))
+    def fake_load(path, subset, split, streaming=False):
+        calls.append((path, subset, split, streaming))
+        if streaming and "stream" not in path:  # a dataset that cannot stream: loaded whole instead
+            raise NotImplementedError("no streaming")
+        full = datasets.Dataset.from_list(qa_rows(3))
+        return full.to_iterable_dataset() if streaming else full
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    rows = read_source(DataSource(name="hub", path="someone/stream", subset="en", split="test", max_rows=2))
+    assert calls == [("someone/stream", "en", "test", True)] and [r["row"] for r in rows] == [1, 2]
+    calls.clear()
     rows = read_source(DataSource(name="hub", path="someone/qa", subset="en", split="test", max_rows=2))
-    assert calls == [("someone/qa", "en", "test")] and [r["row"] for r in rows] == [1, 2]
+    assert calls == [("someone/qa", "en", "test", True), ("someone/qa", "en", "test", False)]
+    assert [r["messages"] for r in rows] == [normalise(r, "alpaca", {})[0] for r in qa_rows(2)]
+    calls.clear()
+    assert len(read_source(DataSource(name="hub", path="someone/stream"))) == 3  # no max_rows: loaded, not streamed
+    assert calls == [("someone/stream", None, "train", False)]
 
 
 def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
@@ -244,11 +254,12 @@ def test_a_cache_miss_writes_memory_mapped_shards_and_a_hit_reads_nothing(tiny, 
     assert store.complete(entry) and not entry.name.startswith(".")  # no scratch folder left
     assert sorted(p.name for p in (entry / "shards").iterdir()) == ["00000-0.arrow", "00000-1.arrow", "00000.json"]
     monkeypatch.setattr(encode, "encode_batch", lambda *a, **k: pytest.fail("a hit tokenized"))
-    monkeypatch.setattr(source_module, "read_rows", lambda *a, **k: pytest.fail("a hit read the file"))
+    monkeypatch.setattr(source_module, "RowStream", lambda *a, **k: pytest.fail("a hit read the file"))
     second = build(config_for(source, cache=True), tiny)
     assert (second.stats["cache_hits"], second.stats["cache_misses"]) == (1, 0)
     assert second.train[:] == first.train[:] and second.eval[:] == first.eval[:]
-    assert second.eval_rows == first.eval_rows and second.train_row_ids == first.train_row_ids
+    assert second.eval_rows == first.eval_rows and second.train_row_ids.keys() == first.train_row_ids.keys()
+    assert all((second.train_row_ids[n] == first.train_row_ids[n]).all() for n in first.train_row_ids)
     assert second.stats == first.stats | {"cache_hits": 1, "cache_misses": 0}
     source.eval_rows = 3
     assert build(config_for(source, cache=True, seed=7), tiny).stats["cache_hits"] == 1  # split: not in the key

@@ -2,10 +2,10 @@
 
 Modules, one step each:
 
-- :mod:`~qwenft.data.read` and :mod:`~qwenft.data.formats`: files (.json, .jsonl, .csv, .parquet) or
-  Hugging Face datasets, formats alpaca / messages / sharegpt / text with ``columns`` renaming fields, rows
-  validated with errors that name file, line or row, and field (:class:`DataError`); a row missing a field says
-  which other format it looks like, and the override that sets it.
+- :mod:`~qwenft.data.read`, :mod:`~qwenft.data.records` and :mod:`~qwenft.data.formats`: files (.json, .jsonl,
+  .csv, .parquet, streamed a block at a time) or Hugging Face datasets, formats alpaca / messages / sharegpt /
+  text with ``columns`` renaming fields, rows validated with errors that name file, line or row, and field
+  (:class:`DataError`); a row missing a field says which other format it looks like, and the override that sets it.
 - :mod:`~qwenft.data.checks`: ``replace`` fills ``{{name}}`` placeholders; warnings for unfilled ones, skipped
   rows (count, first rows, "... and N more") and an ``eval_rows`` share above a third; ``eval_rows`` larger than
   a source clamped (to a third of a training source, with a warning) or refused (``checks.eval_rows_for``).

@@ -2,8 +2,8 @@
 
 - :func:`fill`: ``data.sources[].replace={name: ...}`` writes a value for every ``{{name}}`` in a record's text.
 - :func:`skipped_lines`: what ``data.on_bad_row=skip`` dropped (a count, the first rows, "... and N more").
-- :func:`placeholder_warning`: answers that still hold ``{{name}}`` (public "identity" files ship this way,
-  meant to be filled before training).
+- :func:`placeholder_warning` (:class:`Placeholders` as rows stream past): answers that still hold ``{{name}}``
+  (public "identity" files ship this way, meant to be filled before training).
 - :func:`eval_share_warning`: ``eval_rows`` holding out more than a third of a source.
 - :func:`eval_rows_for`: ``eval_rows`` larger than a source, clamped with a warning or refused.
 
@@ -46,19 +46,24 @@ def fill(value: Any, mapping: Dict[str, str], used: Optional[Set[str]] = None) -
     return value
 
 
-def skipped_lines(name: str, skipped: Sequence[str], total: int) -> List[str]:
+def skipped_lines(name: str, skipped: Sequence[str], total: int, count: Optional[int] = None) -> List[str]:
     """Log lines for the rows ``data.on_bad_row=skip`` dropped from source ``name`` (``total`` rows read).
+
+    Args:
+        skipped: the messages of the skipped rows (at least the first :data:`LISTED_SKIPS` of them).
+        count: how many rows were skipped (default ``len(skipped)``; more when only the first messages were kept).
 
     Returns:
         ``[]`` when none was skipped; else a count line, the first :data:`LISTED_SKIPS` messages, and
         ``... and N more`` when there are more.
     """
-    if not skipped:
+    count = len(skipped) if count is None else count
+    if not count:
         return []
-    lines = [f"{name}: {len(skipped)} of {total} rows were skipped as bad (data.on_bad_row=skip)"]
+    lines = [f"{name}: {count} of {total} rows were skipped as bad (data.on_bad_row=skip)"]
     lines += [f"  skipped: {message}" for message in skipped[:LISTED_SKIPS]]
-    if len(skipped) > LISTED_SKIPS:
-        lines.append(f"  ... and {len(skipped) - LISTED_SKIPS} more")
+    if count > LISTED_SKIPS:
+        lines.append(f"  ... and {count - LISTED_SKIPS} more")
     return lines
 
 
@@ -66,6 +71,36 @@ def _texts(row: dict, answers_only: bool) -> List[str]:
     if row["text"] is not None:
         return [row["text"]]
     return [m["content"] for m in row["messages"] if not answers_only or m["role"] == "assistant"]
+
+
+class Placeholders:
+    """Unfilled ``{{name}}`` placeholders in the answers of rows added a batch at a time (:meth:`add`), for
+    :meth:`warning`: a source's rows are counted as they stream past, never held."""
+
+    def __init__(self) -> None:
+        self.answers = self.holding = 0
+        self.names: Dict[str, None] = {}  # in the order first seen
+
+    def add(self, rows: Sequence[dict]) -> "Placeholders":
+        """Count the answers of ``rows`` (normalised rows, see :func:`qwenft.data.read_source`)."""
+        for row in rows:
+            for text in _texts(row, answers_only=True):
+                self.answers += 1
+                found = PLACEHOLDER.findall(text) if "{{" in text else []
+                self.holding += bool(found)
+                self.names.update(dict.fromkeys(found))
+        return self
+
+    def warning(self, source: DataSource, index: int) -> Optional[str]:
+        """The warning of :func:`placeholder_warning` for the rows added so far."""
+        if not self.holding:
+            return None
+        shown = list(self.names)[:5]
+        listed = ", ".join(f"{{{{{n}}}}}" for n in shown) + (", ..." if len(self.names) > len(shown) else "")
+        fills = ", ".join(f"{n}: ..." for n in shown)
+        return (f"{source.name}: {self.holding} of {self.answers} answers contain unfilled placeholders ({listed}); "
+                f"the model would learn them as written: fill them with 'data.sources.{index}.replace={{{fills}}}' "
+                "or edit the file")
 
 
 def placeholder_warning(rows: Sequence[dict], source: DataSource, index: int) -> Optional[str]:
@@ -79,21 +114,7 @@ def placeholder_warning(rows: Sequence[dict], source: DataSource, index: int) ->
     Returns:
         e.g. ``domain: 4 of 4 answers contain unfilled placeholders ({{name}}, {{author}}); ...``.
     """
-    answers = [text for row in rows for text in _texts(row, answers_only=True)]
-    names: Dict[str, None] = {}
-    holding = 0
-    for text in answers:
-        found = PLACEHOLDER.findall(text) if "{{" in text else []
-        holding += bool(found)
-        names.update(dict.fromkeys(found))
-    if not holding:
-        return None
-    shown = list(names)[:5]
-    listed = ", ".join(f"{{{{{n}}}}}" for n in shown) + (", ..." if len(names) > len(shown) else "")
-    fills = ", ".join(f"{n}: ..." for n in shown)
-    return (f"{source.name}: {holding} of {len(answers)} answers contain unfilled placeholders ({listed}); the model "
-            f"would learn them as written: fill them with 'data.sources.{index}.replace={{{fills}}}' or edit the "
-            "file")
+    return Placeholders().add(rows).warning(source, index)
 
 
 def eval_share_warning(source: DataSource, index: int, n_rows: int) -> Optional[str]:

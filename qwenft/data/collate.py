@@ -1,7 +1,8 @@
 """Packing and batching, in one place: whether and how examples are packed (:func:`packing_of`, decided once from
 the config and carried by the bundle), the packed rows (:func:`pack`, :func:`pack_examples`), and the Trainer's
 collator built from that decision (:func:`collator`): right padding, labels padded by position, packed rows with
-restarting positions, or one flattened row for flash-attention."""
+restarting positions, or one flattened row for flash-attention. Packed rows are offset arrays over the examples
+(:class:`PackedDataset`), gathered from the memory map when the Trainer asks for a row."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class Packing:
 
     Attributes:
         packed: examples are concatenated into rows of at most ``max_len`` tokens, each row carrying
-            ``position_ids`` that restart at 0 for every example (:func:`pack_examples`).
+            ``position_ids`` that restart at 0 for every example (:class:`PackedDataset`).
         flatten: the collator concatenates a whole batch into one row ``[1, tokens]`` (:class:`DataCollator`).
         max_len: the length of a packed row (tokens); None unpacked.
     """
@@ -37,55 +38,105 @@ def packing_of(config: Config) -> Packing:
                    max_len=config.data.max_seq_len if packed else None)
 
 
-def pack(lengths: Sequence[int], max_len: int, window: int = 16) -> List[List[int]]:
-    """Group examples into rows of at most ``max_len`` tokens.
+def pack_offsets(lengths: Sequence[int], max_len: int, window: int = 16):
+    """Group examples into rows of at most ``max_len`` tokens, as offset arrays.
 
     First fit over the ``window`` most recently opened rows, in the given (shuffled) order, so the mix
     stays spread over the rows. Every example must fit (``lengths[i] <= max_len``).
 
+    Args:
+        lengths: ``[examples]`` token counts (a list or a numpy array).
+
     Returns:
-        Rows, each a list of example indices.
+        ``(offsets, members)``, numpy int64: row ``r`` holds the examples ``members[offsets[r]:offsets[r + 1]]``
+        (ascending); ``offsets`` is ``[rows + 1]``, ``members`` ``[examples]``.
     """
-    rows: List[List[int]] = []
+    import numpy as np
+
+    lengths = np.asarray(lengths, dtype=np.int64).tolist()  # Python ints: the loop below is scalar work
+    row_of: List[int] = []
     room: List[int] = []
-    for i, length in enumerate(lengths):
-        start = max(0, len(rows) - window)
-        for r in range(start, len(rows)):
+    for length in lengths:
+        start = max(0, len(room) - window)
+        for r in range(start, len(room)):
             if room[r] >= length:
-                rows[r].append(i)
                 room[r] -= length
+                row_of.append(r)
                 break
         else:
-            rows.append([i])
+            row_of.append(len(room))
             room.append(max_len - length)
-    return rows
+    rows = np.asarray(row_of, dtype=np.int64)
+    offsets = np.zeros(len(room) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=len(room)), out=offsets[1:])
+    return offsets, np.argsort(rows, kind="stable")  # stable: a row's examples stay in their order
 
 
-def pack_examples(examples, max_len: int):
-    """Concatenate the examples of a ``datasets.Dataset`` (``input_ids``, ``labels``) into rows of at most
-    ``max_len`` tokens (:func:`pack`), in their order.
+def pack(lengths: Sequence[int], max_len: int, window: int = 16) -> List[List[int]]:
+    """:func:`pack_offsets` as lists: the rows, each a list of example indices."""
+    offsets, members = pack_offsets(lengths, max_len, window)
+    return [members[a:b].tolist() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
-    Returns:
-        A ``datasets.Dataset`` of rows ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 for each
-        example); the first label of every example is -100.
+
+class PackedDataset:
+    """Packed training rows gathered from the examples on demand (a map-style dataset for the Trainer): only the
+    offset arrays of :func:`pack_offsets` are held; row ``r`` reads its members' ids and labels from ``examples``
+    (memory-mapped) when it is asked for.
+
+    Items: ``{"input_ids", "labels", "position_ids"}``, lists ``[row_len]``; the examples concatenated in order,
+    ``position_ids`` restarting at 0 for each, the first label of each example -100 (it would be predicted from the
+    previous example; the same as transformers' ``DataCollatorWithFlattening`` separator).
+
+    Args:
+        examples: a ``datasets.Dataset`` with ``input_ids`` and ``labels`` (an indices mapping is fine).
+        lengths: ``[examples]`` their token counts.
+        max_len: the longest row (tokens).
+
+    Raises:
+        IndexError: a row number out of range (``__getitem__``).
     """
-    import datasets
 
-    ids, labels = examples["input_ids"], examples["labels"]
-    rows = pack([len(x) for x in ids], max_len)
-    out: Dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for members in rows:
-        row_ids, row_labels, row_pos = [], [], []
-        for i in members:
-            row_ids.extend(ids[i])
-            # The first token is never predicted unpacked; packed, it would be predicted from the previous
-            # example, so it is masked (the same as transformers' DataCollatorWithFlattening separator).
-            row_labels.extend([IGNORE_INDEX] + list(labels[i][1:]))
-            row_pos.extend(range(len(ids[i])))
-        out["input_ids"].append(row_ids)
-        out["labels"].append(row_labels)
-        out["position_ids"].append(row_pos)
-    return datasets.Dataset.from_dict(out)
+    column_names = ["input_ids", "labels", "position_ids"]
+
+    def __init__(self, examples, lengths: Sequence[int], max_len: int) -> None:
+        self.examples = examples.with_format("arrow", columns=["input_ids", "labels"])
+        self.offsets, self.members = pack_offsets(lengths, max_len)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, r: int) -> Dict[str, List[int]]:
+        import numpy as np
+        import pyarrow.compute as pc
+
+        n = len(self)
+        r = int(r) + n if int(r) < 0 else int(r)
+        if not 0 <= r < n:
+            raise IndexError(f"packed row {r} of {n}")
+        table = self.examples[self.members[self.offsets[r]:self.offsets[r + 1]].tolist()]
+        sizes = np.asarray(pc.list_value_length(table.column("input_ids")), dtype=np.int64)
+        ids = np.asarray(pc.list_flatten(table.column("input_ids")), dtype=np.int64)
+        labels = np.asarray(pc.list_flatten(table.column("labels")), dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes
+        labels[starts[sizes > 0]] = IGNORE_INDEX
+        positions = np.arange(len(ids), dtype=np.int64) - np.repeat(starts, sizes)
+        return {"input_ids": ids.tolist(), "labels": labels.tolist(), "position_ids": positions.tolist()}
+
+
+def pack_examples(examples, max_len: int, lengths: Optional[Sequence[int]] = None) -> PackedDataset:
+    """The examples of a ``datasets.Dataset`` (``input_ids``, ``labels``) packed into rows of at most ``max_len``
+    tokens (:func:`pack_offsets`), in their order: a :class:`PackedDataset` (rows ``input_ids``, ``labels``,
+    ``position_ids`` restarting at 0 for each example; the first label of every example -100).
+
+    Args:
+        lengths: the examples' token counts when known (else read from the ``input_ids`` column, whole).
+    """
+    import pyarrow.compute as pc
+
+    if lengths is None:
+        column = examples.with_format("arrow", columns=["input_ids"])[:]["input_ids"]
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    return PackedDataset(examples, lengths, max_len)
 
 
 def collator(bundle, tokenizer) -> "DataCollator":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from qwenft.data.formats import DataError
 
@@ -60,7 +60,7 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
 
 
 def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Optional[str] = None) -> List[int]:
-    """The positions in ``rows`` that :func:`split_eval` holds out, ascending. ``rows`` is only indexed for
+    """The positions in ``rows`` that :func:`split_eval` holds out, ascending. ``rows`` is only iterated for
     ``by`` (its ``meta``); otherwise only its length is used, so any sequence of rows will do (a lazy one)."""
     if n_eval > len(rows):
         raise DataError(f"eval_rows={n_eval} but the source has only {len(rows)} usable rows", file=name)
@@ -69,8 +69,7 @@ def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Op
         chosen = set(rng.sample(range(len(rows)), n_eval))
     else:
         groups: Dict[object, List[int]] = {}
-        for i in range(len(rows)):
-            row = rows[i]
+        for i, row in enumerate(rows):  # iterated, not indexed: a lazy sequence reads its rows in batches
             if by not in row["meta"]:
                 raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
                                 f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",
@@ -115,21 +114,72 @@ def mix_counts(available: Dict[str, int], weights: Dict[str, float]) -> Dict[str
     return counts
 
 
-def choose(available: Dict[str, int], counts: Dict[str, int], seed: int) -> List[Tuple[str, int]]:
+class Choice:
+    """The examples of one epoch in training order (what :func:`choose` returns), as two index arrays.
+
+    Attributes:
+        names: the sources, in ``data.sources`` order.
+        source: ``[examples]`` int64: example ``k`` comes from ``names[source[k]]``.
+        index: ``[examples]`` int64: its position among that source's usable examples.
+
+    Iterating (or indexing) gives ``(source name, index)`` pairs, one at a time; ``==`` compares the arrays (or,
+    against a list, the pairs).
+    """
+
+    def __init__(self, names: Sequence[str], source, index) -> None:
+        self.names, self.source, self.index = tuple(names), source, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, k: int) -> Tuple[str, int]:
+        return self.names[self.source[k]], int(self.index[k])
+
+    def __iter__(self) -> Iterator[Tuple[str, int]]:
+        for code, i in zip(self.source.tolist(), self.index.tolist()):
+            yield self.names[code], i
+
+    def __eq__(self, other: object) -> bool:
+        import numpy as np
+
+        if isinstance(other, Choice):
+            return (self.names == other.names and np.array_equal(self.source, other.source)
+                    and np.array_equal(self.index, other.index))
+        return isinstance(other, list) and list(self) == other
+
+    __hash__ = None  # mutable arrays inside: unhashable, as a list is
+
+
+def choose(available: Dict[str, int], counts: Dict[str, int], seed: int) -> Choice:
     """Pick the examples of one epoch and shuffle them together.
 
+    Each source draws from ``random.Random(f"{seed}:{name}:mix")``: a shuffled permutation of its usable examples
+    per pass, taken from the front; the sources' picks, concatenated in ``counts`` order, are then shuffled with
+    ``random.Random(f"{seed}:order")``. The random calls are those of shuffling the list of ``(name, index)`` pairs
+    (a shuffle's calls depend only on the list's length), applied to index arrays: no pair is ever made.
+
     Returns:
-        ``[(source, index into that source's usable examples), ...]`` in training order.
+        A :class:`Choice` (``source`` and ``index`` arrays, ``[sum(counts)]``) in training order.
     """
-    picked: List[Tuple[str, int]] = []
-    for name, count in counts.items():
+    import numpy as np
+
+    sources: List = []
+    indices: List = []
+    for code, (name, count) in enumerate(counts.items()):
         rng = random.Random(f"{seed}:{name}:mix")
-        taken: List[int] = []
-        while len(taken) < count:  # a fresh permutation per pass: no repeat before every row is used
+        taken = 0
+        while taken < count:  # a fresh permutation per pass: no repeat before every row is used
             perm = list(range(available[name]))
             rng.shuffle(perm)
-            taken.extend(perm[: count - len(taken)])
-        picked.extend((name, i) for i in taken)
-    random.Random(f"{seed}:order").shuffle(picked)
-    return picked
-
+            part = np.array(perm[: count - taken], dtype=np.int64)
+            del perm
+            indices.append(part)
+            sources.append(np.full(len(part), code, dtype=np.int64))
+            taken += len(part)
+    total = sum(len(part) for part in indices)
+    order = list(range(total))
+    random.Random(f"{seed}:order").shuffle(order)
+    order = np.array(order, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    return Choice(list(counts), (np.concatenate(sources) if sources else empty)[order],
+                  (np.concatenate(indices) if indices else empty)[order])

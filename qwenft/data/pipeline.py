@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, DataConfig
-from qwenft.data.checks import eval_rows_for, eval_share_warning, skipped_lines
+from qwenft.data.checks import LISTED_SKIPS, eval_rows_for, eval_share_warning, skipped_lines
 from qwenft.data.collate import Packing, pack_examples, packing_of
 from qwenft.data.encode import CACHE_VERSION, encode_batch, tokenize_rows, tokenizer_fingerprint  # noqa: F401
 from qwenft.data.formats import DataError
@@ -31,8 +31,10 @@ class DataBundle:
     """What :func:`build` returns.
 
     Attributes:
-        train: ``datasets.Dataset`` with ``input_ids`` and ``labels`` (``[seq]`` lists of ids; labels -100 where
-            not supervised) and, when ``data.packing``, ``position_ids`` restarting at 0 for each example.
+        train: ``datasets.Dataset`` (memory-mapped, in training order through an indices mapping) with
+            ``input_ids`` and ``labels`` (``[seq]`` lists of ids; labels -100 where not supervised); when
+            ``data.packing``, a :class:`qwenft.data.collate.PackedDataset` whose rows also carry ``position_ids``
+            restarting at 0 for each example (gathered from the memory map when asked for).
         eval: the held-out rows, tokenized the same way, never packed (possibly empty), for the eval loss.
         eval_rows: source name -> the held-out normalised rows (``messages`` with the reference answer last,
             ``text``, ``meta``, ``row``), each with its tokens for evaluation: ``input_ids`` and ``labels`` as
@@ -43,7 +45,7 @@ class DataBundle:
             supervised share, packing fill, cache hits (see :func:`build`).
         sample: the first training example before packing: ``{source, row, input_ids, labels}``.
         train_row_ids: source name -> the ``row`` numbers of its training examples, in training order
-            (repeats included).
+            (repeats included): a numpy int64 array ``[examples of that source]``.
         packing: whether and how ``train`` is packed (:func:`qwenft.data.packing_of`); the collator is built
             from it (:func:`qwenft.data.collator`).
     """
@@ -53,7 +55,7 @@ class DataBundle:
     eval_rows: Dict[str, List[dict]]
     stats: Dict[str, Any]
     sample: Optional[Dict[str, Any]] = field(default=None, repr=False)
-    train_row_ids: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+    train_row_ids: Dict[str, Any] = field(default_factory=dict, repr=False)
     packing: Packing = field(default_factory=Packing)
 
 
@@ -79,16 +81,18 @@ def _usable(encoded, indices, dcfg: DataConfig, counts: Dict[str, Any], name: st
 
     errors = encoded.with_format("arrow")["error"].take(pa.array(indices, type=pa.int64()))
     failed = np.asarray(pc.not_equal(errors, ""), dtype=bool) if len(errors) else np.zeros(0, dtype=bool)
-    bad = errors.filter(pa.array(failed, type=pa.bool_())).to_pylist() if failed.any() else []
+    n_bad = int(np.count_nonzero(failed))
+    # the first messages only: the log names LISTED_SKIPS of them and counts the rest
+    bad = errors.filter(pa.array(failed, type=pa.bool_())).slice(0, LISTED_SKIPS).to_pylist() if n_bad else []
     if bad and dcfg.on_bad_row == "error":
         raise DataError(bad[0])
-    for line in skipped_lines(name, bad, len(errors)):
+    for line in skipped_lines(name, bad, len(errors), n_bad):
         log.warning("%s", line)
     cut = _column(encoded, "overflow")[indices] > 0
     # truncation that leaves nothing to learn also drops
     drop = ~failed & cut & ((_column(encoded, "supervised")[indices] == 0) | (dcfg.overlong == "drop"))
     keep = np.flatnonzero(~failed & ~drop)
-    counts["skipped"] += len(bad)
+    counts["skipped"] += n_bad
     counts["truncated"] += int(np.count_nonzero(cut[keep]))
     counts["dropped"] += int(np.count_nonzero(drop))
     rows = indices[keep]
@@ -197,8 +201,8 @@ def build(config: Config, tokenizer) -> DataBundle:
     for index, src in enumerate(dcfg.sources):
         data = load_source(src, index, dcfg, tokenizer, fingerprint)  # read + tokenized, or from the cache
         hits, misses = hits + data.hit, misses + (not data.hit)
-        n, skipped = len(data.rows), data.skipped
-        for line in skipped_lines(src.name, skipped, n + len(skipped)):  # before any other check
+        n, skipped = len(data.rows), data.n_skipped
+        for line in skipped_lines(src.name, data.skipped, n + skipped, skipped):  # before any other check
             log.warning("%s", line)
         n_eval, clamped = eval_rows_for(src, index, n)  # more than the source has: clamped or refused
         for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
@@ -206,8 +210,8 @@ def build(config: Config, tokenizer) -> DataBundle:
                 log.warning("%s", warning)
         held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by), dtype=np.int64)
         kept_idx = np.setdiff1d(np.arange(n, dtype=np.int64), held_idx, assume_unique=True)
-        counts = {"path": src.path, "format": src.format, "rows_read": n + len(skipped),
-                  "skipped": len(skipped), "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
+        counts = {"path": src.path, "format": src.format, "rows_read": n + skipped,
+                  "skipped": skipped, "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
         if len(held_idx):
             held = data.take(held_idx)
             eval_rows[src.name] = _with_ids(held, data.encoded.select(held_idx), tokenizer, dcfg.system_prompt)
@@ -226,10 +230,9 @@ def build(config: Config, tokenizer) -> DataBundle:
     counts_used = mix_counts(available, {n: weights[n] for n in available})
     picked = choose(available, counts_used, dcfg.seed)
     names = list(usable)
-    offsets = {name: sum(available[n] for n in names[:k]) for k, name in enumerate(names)}
-    code = {name: k for k, name in enumerate(names)}
-    order = np.fromiter((offsets[name] + i for name, i in picked), dtype=np.int64, count=len(picked))
-    origin = np.fromiter((code[name] for name, _ in picked), dtype=np.int64, count=len(picked))
+    assert list(picked.names) == names, "choose keeps the sources' order"
+    starts = np.cumsum([0] + [available[n] for n in names[:-1]]).astype(np.int64)  # each source's first row in pool
+    order, origin = starts[picked.source] + picked.index, picked.source
     pool = datasets.concatenate_datasets([usable[n].select_columns(COLUMNS + ["row"]) for n in names])
     selected = pool.select(order)
     chosen = {column: np.concatenate([columns[n][column] for n in names])[order]
@@ -243,8 +246,8 @@ def build(config: Config, tokenizer) -> DataBundle:
 
     full_lengths = chosen["length"] + chosen["overflow"]
     n_tokens, n_supervised = int(chosen["length"].sum()), int(chosen["supervised"].sum())
-    train = (pack_examples(selected, packing.max_len) if packing.packed
-             else selected.select_columns(["input_ids", "labels"]))
+    examples = selected.select_columns(["input_ids", "labels"])
+    train = pack_examples(examples, packing.max_len, chosen["length"]) if packing.packed else examples
     evals = [held_out[n].select_columns(["input_ids", "labels"]) for n in held_out if len(held_out[n])]
     eval_ds = (datasets.concatenate_datasets(evals) if evals
                else datasets.Dataset.from_dict({"input_ids": [], "labels": []}))
@@ -264,6 +267,6 @@ def build(config: Config, tokenizer) -> DataBundle:
              total, ", ".join(f"{n} {c['used']}" for n, c in per_source.items()), len(eval_ds),
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
              stats["dropped"])
-    row_ids = {name: chosen["row"][origin == k].tolist() for k, name in enumerate(names)}
+    row_ids = {name: chosen["row"][origin == k] for k, name in enumerate(names)}
     return DataBundle(train=train, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
                       train_row_ids=row_ids, packing=packing)

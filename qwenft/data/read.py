@@ -5,25 +5,28 @@ A relative path is resolved against the directory the command runs from. :func:`
 reader of every text file qwenft takes (data, prompts, ``eval.ppl_sources``): UTF-8, a leading byte-order mark
 removed, bytes that are not UTF-8 refused naming the file, line and byte offset. Row numbers are 1-based: the
 line for JSONL and CSV, the element for a JSON array, the row for parquet and Hugging Face datasets.
+
+Data files are streamed (:mod:`qwenft.data.records`; a Hugging Face dataset a batch at a time, streamed from the Hub
+when ``max_rows`` is set): :class:`RowStream` yields the normalised rows one by one, so a caller that writes them
+away as they come never holds them all; :func:`read_source` / :func:`read_rows` collect them in a list.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Set, Tuple
+from typing import Iterator, List, Optional, Set, Tuple
 
 from qwenft.config import DataSource
 from qwenft.data.checks import fill
-from qwenft.data.formats import DataError, describe, json_float, normalise
+from qwenft.data.formats import DataError, normalise
+from qwenft.data.records import (BOM, Record, csv_records, decode_utf8, json_records, jsonl_records,
+                                 parquet_records)
 
 log = logging.getLogger(__name__)
 
 FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-Record = Tuple[int, Any]  # (1-based line/row, the record, or a DataError for that line)
+HUB_BATCH = 1_000  # rows of a Hugging Face dataset converted to Python at a time
 
 
 def resolve_path(path: str) -> Path:
@@ -51,26 +54,6 @@ def looks_local(path: str) -> bool:
     data_suffixes = FILE_SUFFIXES + (".txt", ".tsv", ".gz", ".zip", ".arrow", ".xlsx")
     return (path.lower().endswith(data_suffixes) or path.startswith((".", "/", "~", "\\")) or path.count("/") > 1
             or ":\\" in path)
-
-
-BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors write first: not content
-
-
-def decode_utf8(data: bytes, file: str, *, offset: int = 0, line: int = 1) -> str:
-    """Decode ``data``, a part of ``file`` starting at byte ``offset`` and line ``line`` (1-based), as UTF-8.
-
-    Raises:
-        DataError: a byte sequence that is not UTF-8, naming the file, its line, the byte value and its byte
-            offset in the file (0-based) and column (1-based, in bytes).
-    """
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        bad_line = line + data[: exc.start].count(b"\n")
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise DataError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset {offset + exc.start} "
-                        f"(column {column}); re-save the file as UTF-8", file=file, row=bad_line,
-                        unit="line") from None
 
 
 def file_bytes(path: str) -> Tuple[bytes, int]:
@@ -106,97 +89,50 @@ def read_text(path: str) -> str:
     return decode_utf8(data, path, offset=offset)
 
 
-def _jsonl(data: bytes, file: str, offset: int = 0) -> Iterator[Record]:
-    start = offset  # file offset of the current line, for the not-UTF-8 message
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        line_start, start = start, start + len(raw) + 1
-        if raw.startswith(BOM):  # JSON Lines files concatenated with their byte-order marks
-            raw, line_start = raw[len(BOM):], line_start + len(BOM)
-        if not raw.strip():
-            continue
-        try:
-            line = decode_utf8(raw, file, offset=line_start, line=number)
-            record = json.loads(line, parse_float=json_float)
-            if not isinstance(record, dict):
-                raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
-                                unit="line")
-        except DataError as exc:
-            yield number, exc
-            continue
-        except json.JSONDecodeError as exc:
-            yield number, DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=number,
-                                    unit="line")
-            continue
-        yield number, record
-
-
-def _json(data: bytes, file: str, offset: int) -> Tuple[Iterator[Record], str]:
-    text = decode_utf8(data, file, offset=offset)
-    try:
-        value = json.loads(text, parse_float=json_float)
-    except json.JSONDecodeError as exc:
-        if exc.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _jsonl(data, file, offset), "line"  # JSON Lines saved under a .json name
-        raise DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=exc.lineno,
-                        unit="line") from None
-    if isinstance(value, dict):
-        raise DataError(f"expected a JSON array of objects (or JSON Lines); got an object with keys: "
-                        f"{', '.join(list(value)[:8])}", file=file)
-    if not isinstance(value, list):
-        raise DataError(f"expected a JSON array of objects, got {type(value).__name__}", file=file)
-    return iter(enumerate(value, start=1)), "row"
-
-
-def _csv(data: bytes, file: str, offset: int) -> Iterator[Record]:
-    reader = csv.DictReader(io.StringIO(decode_utf8(data, file, offset=offset), newline=""))
-    try:
-        reader.fieldnames  # reads the header line
-        line = reader.line_num
-        for record in reader:
-            start, line = line + 1, reader.line_num
-            if None in record:
-                yield start, DataError(f"has {len(record) - 1 + len(record[None])} fields, the header "
-                                       f"{len(reader.fieldnames)}", file=file, row=start, unit="line")
-                continue
-            yield start, {k: v for k, v in record.items() if v is not None}
-    except csv.Error as exc:
-        raise DataError(f"malformed CSV: {exc}", file=file, row=reader.line_num, unit="line") from None
-
-
-def _parquet(path: Path, file: str) -> Iterator[Record]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for a corrupt or non-parquet file
-        raise DataError(f"not a readable parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})",
-                        file=file) from None
-    return iter(enumerate(table.to_pylist(), start=1))
-
-
 def _hub(source: DataSource) -> Iterator[Record]:
+    """The rows of a Hugging Face dataset id, :data:`HUB_BATCH` at a time; streamed (nothing downloaded or prepared
+    beyond what is read) when ``max_rows`` is set, where the dataset allows it, else loaded (memory-mapped)."""
     import datasets
 
+    batches = None
+    if source.max_rows is not None:
+        try:
+            streamed = datasets.load_dataset(source.path, source.subset, split=source.split, streaming=True)
+            batches = streamed.iter(batch_size=HUB_BATCH)
+            first = [next(batches, None)]  # a dataset that cannot stream fails here, not halfway
+            batches = (batch for part in (first, batches) for batch in part if batch is not None)
+        except Exception:  # no streaming for this dataset (or offline without its files): load it whole below
+            batches = None
     try:
-        dataset = datasets.load_dataset(source.path, source.subset, split=source.split)
+        if batches is None:
+            batches = datasets.load_dataset(source.path, source.subset, split=source.split).iter(batch_size=HUB_BATCH)
     except Exception as exc:  # offline cache miss, unknown id, bad split: all reported the same way
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"no such local file (resolved to {resolve_path(source.path)}), and not loadable as a "
                         f"Hugging Face dataset id (subset={source.subset}, split={source.split}): {reason}"
                         f"{near_file(source.path)}", file=source.path) from None
-    return iter(enumerate(dataset, start=1))
+    return _hub_rows(batches)
+
+
+def _hub_rows(batches) -> Iterator[Record]:
+    number = 0
+    for batch in batches:
+        names = list(batch)
+        for values in zip(*batch.values()):
+            number += 1
+            yield number, dict(zip(names, values))
 
 
 def records(source: DataSource) -> Tuple[Iterator[Record], str, str]:
-    """Iterate the raw records of ``source``.
+    """Iterate the raw records of ``source``, streamed (:mod:`qwenft.data.records`: never the whole file in memory).
 
     Returns:
         ``(records, unit, file)``: an iterator of ``(row, record or DataError)``, how rows count (``line``
         or ``row``) and the file name to report.
 
     Raises:
-        DataError: the path does not exist, has an unsupported suffix, is not UTF-8, is malformed as a whole
-            (a JSON file), or names no loadable dataset.
+        DataError: the path does not exist, has an unsupported suffix, is one JSON object, or names no loadable
+            dataset; the iterator raises what is found while reading (not UTF-8, malformed JSON array or CSV).
     """
     local = looks_local(source.path) or resolve_path(source.path).exists()
     if not local:
@@ -211,23 +147,78 @@ def records(source: DataSource) -> Tuple[Iterator[Record], str, str]:
     if suffix not in FILE_SUFFIXES:
         raise DataError(f"unsupported file type {suffix or '(none)'!r}; use {', '.join(FILE_SUFFIXES)}", file=file)
     if suffix == ".parquet":
-        return _parquet(path, file), "row", file
-    data, offset = file_bytes(file)
+        return parquet_records(path, file), "row", file
     if suffix == ".jsonl":
-        return _jsonl(data, file, offset), "line", file
+        return jsonl_records(path, file), "line", file
     if suffix == ".csv":
-        return _csv(data, file, offset), "line", file
-    iterator, unit = _json(data, file, offset)
+        return csv_records(path, file), "line", file
+    iterator, unit = json_records(path, file)
     return iterator, unit, file
+
+
+class RowStream:
+    """The normalised rows of one source, in file order, read as they are iterated: no list of all rows is made.
+
+    Iterating yields ``{"messages", "text", "meta", "source", "row"}`` (see :func:`read_source`): the first
+    ``max_rows`` valid rows. Every text of a record gets ``source.replace`` filled in first. A bad row raises
+    (``on_bad_row="error"``) or is counted in ``n_skipped``, its message kept in ``skipped`` (the first
+    ``keep_skipped``; all when None). When the iteration ends, every row skipped raises, and a ``replace`` key no
+    row held is warned (logged, and added to ``notes``).
+
+    Attributes:
+        unit: how ``row`` counts (``line`` or ``row``); file: the file named in messages.
+        n_rows / n_skipped: valid rows yielded / bad rows skipped so far.
+
+    Raises:
+        DataError: when made, a source that cannot be read (see :func:`records`); while iterated, see
+            :func:`read_source`; at the end with ``on_bad_row=skip``, every row skipped (naming the first).
+    """
+
+    def __init__(self, source: DataSource, on_bad_row: str = "error", index: Optional[int] = None,
+                 notes: Optional[List[str]] = None, keep_skipped: Optional[int] = None) -> None:
+        self.source, self.on_bad_row, self.notes, self.keep_skipped = source, on_bad_row, notes, keep_skipped
+        self.key = f"data.sources.{'N' if index is None else index}"
+        self.records, self.unit, self.file = records(source)
+        self.skipped: List[str] = []
+        self.n_rows = self.n_skipped = 0
+        self.used: Set[str] = set()
+
+    def __iter__(self) -> Iterator[dict]:
+        source, limit = self.source, self.source.max_rows
+        for number, record in self.records:
+            try:
+                if isinstance(record, DataError):
+                    raise record
+                if source.replace:
+                    record = fill(record, source.replace, self.used)
+                messages, text, meta = normalise(record, source.format, source.columns, self.key)
+            except DataError as exc:
+                error = exc.located(self.file, number, self.unit)
+                if self.on_bad_row == "error":
+                    raise error from None
+                self.n_skipped += 1
+                if self.keep_skipped is None or len(self.skipped) < self.keep_skipped:
+                    self.skipped.append(str(error))
+                continue
+            self.n_rows += 1
+            yield {"messages": messages, "text": text, "meta": meta, "source": source.name, "row": number}
+            if limit is not None and self.n_rows >= limit:
+                break
+        if self.n_skipped and not self.n_rows:
+            raise DataError(f"all {self.n_skipped} rows were skipped as bad (first: {self.skipped[0]})",
+                            file=source.name)
+        warning = unused_warning(source, self.used) if self.n_rows else None
+        if warning:
+            log.warning("%s", warning)
+            if self.notes is not None:  # kept with a cached source, to be said again when it is read from the cache
+                self.notes.append(warning)
 
 
 def read_rows(source: DataSource, on_bad_row: str = "error", index: Optional[int] = None,
               notes: Optional[List[str]] = None) -> Tuple[List[dict], List[str], str]:
-    """:func:`read_source` with more detail; ``index``: the source's place in ``data.sources``, for the overrides
-    a missing field's error suggests (``data.sources.N.format=...``).
-
-    Every text of a record gets ``source.replace`` filled in first (``{{name}}`` -> its value). ``notes`` collects
-    the warnings logged (a ``replace`` key no row holds).
+    """:func:`read_source` with more detail, every row in a list (small sources; :class:`RowStream` streams them);
+    ``index``: the source's place in ``data.sources``, for the overrides a missing field's error suggests
+    (``data.sources.N.format=...``); ``notes`` collects the warnings logged (a ``replace`` key no row holds).
 
     Returns:
         ``(rows, skipped, unit)``: the normalised rows, the messages of skipped bad rows (``on_bad_row=skip``)
@@ -236,35 +227,9 @@ def read_rows(source: DataSource, on_bad_row: str = "error", index: Optional[int
     Raises:
         DataError: see :func:`read_source`; with ``on_bad_row=skip``, every row skipped (naming the first).
     """
-    iterator, unit, file = records(source)
-    key = f"data.sources.{'N' if index is None else index}"
-    rows: List[dict] = []
-    skipped: List[str] = []
-    used: Set[str] = set()
-    for number, record in iterator:
-        try:
-            if isinstance(record, DataError):
-                raise record
-            if source.replace:
-                record = fill(record, source.replace, used)
-            messages, text, meta = normalise(record, source.format, source.columns, key)
-        except DataError as exc:
-            error = exc.located(file, number, unit)
-            if on_bad_row == "error":
-                raise error from None
-            skipped.append(str(error))
-            continue
-        rows.append({"messages": messages, "text": text, "meta": meta, "source": source.name, "row": number})
-        if source.max_rows is not None and len(rows) >= source.max_rows:
-            break
-    if skipped and not rows:
-        raise DataError(f"all {len(skipped)} rows were skipped as bad (first: {skipped[0]})", file=source.name)
-    warning = unused_warning(source, used) if rows else None
-    if warning:
-        log.warning("%s", warning)
-        if notes is not None:  # kept with a cached source, to be said again when it is read from the cache
-            notes.append(warning)
-    return rows, skipped, unit
+    stream = RowStream(source, on_bad_row, index, notes)
+    rows = list(stream)
+    return rows, stream.skipped, stream.unit
 
 
 def unused_warning(source: DataSource, used: Set[str]) -> Optional[str]:

@@ -10,7 +10,8 @@ Not in it: on_bad_row, overlong, eval_rows, eval_by, weight, seed and packing, w
 An entry (:mod:`qwenft.data.store`) holds the tokenized shards of every valid row and ``rows.arrow``: per row the
 normalised row pickled (``py``, read back only for the held-out rows and for ``eval_by``), its own system prompt
 (``system``, null when none) and whether it is a conversation (``chat``). ``entry.json`` records the read: rows,
-unit, skipped rows' messages and the read's warnings. A hit reads neither the file nor its rows.
+unit, skipped rows (their count and first messages) and the read's warnings. A hit reads neither the file nor its
+rows.
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from qwenft.config import DataConfig, DataSource
-from qwenft.data.checks import placeholder_warning
+from qwenft.data.checks import Placeholders
 from qwenft.data.encode import CACHE_VERSION, tokenize_into
 from qwenft.data.formats import DataError
-from qwenft.data.read import looks_local, read_rows, resolve_path
-from qwenft.data.store import complete, data_root, load_entry, scratch_entry
+from qwenft.data.read import RowStream, looks_local, resolve_path
+from qwenft.data.store import WRITE_ROWS, complete, data_root, load_entry, scratch_entry
 
 log = logging.getLogger(__name__)
 
 DIGESTS = ".digests.json"  # in <cache>/data: path -> [inode, size, mtime_ns, digest]
 BLOCK = 16 << 20  # bytes hashed at a time
+KEEP_SKIPPED = 1_000  # messages of skipped rows kept in entry.json (the count is exact)
+ROWS_BATCH = 10_000  # rows unpickled at a time when all are iterated (eval_by)
 
 
 def file_digest(path: Path) -> str:
@@ -85,7 +88,7 @@ def source_key(src: DataSource, index: int, dcfg: DataConfig, fingerprint: str) 
 
 
 class PickledRows(Sequence):
-    """The normalised rows of a cached source, unpickled one by one when indexed (``rows.arrow``'s ``py``)."""
+    """The normalised rows of a cached source, unpickled only when indexed or iterated (``rows.arrow``'s ``py``)."""
 
     def __init__(self, column) -> None:
         self.column = column
@@ -96,6 +99,11 @@ class PickledRows(Sequence):
     def __getitem__(self, i):
         return pickle.loads(self.column[i].as_py())
 
+    def __iter__(self) -> Iterator[dict]:
+        for chunk in self.column.chunks:  # a chunk at a time, not an element lookup per row
+            for start in range(0, len(chunk), ROWS_BATCH):
+                yield from map(pickle.loads, chunk.slice(start, ROWS_BATCH).to_pylist())
+
     def take(self, indices: Sequence[int]) -> List[dict]:
         return [pickle.loads(blob) for blob in self.column.take(list(indices)).to_pylist()]
 
@@ -103,22 +111,24 @@ class PickledRows(Sequence):
 @dataclass
 class SourceData:
     """A source read (or found in the cache): ``encoded`` (:data:`qwenft.data.store.ENCODED`, every valid row, in
-    file order), ``rows`` (the normalised rows: a list, or :class:`PickledRows` on a hit), ``system`` (pyarrow:
-    each row's own system prompt or null), ``chat`` (numpy bool: a conversation), ``unit``, ``skipped`` (bad rows'
-    messages), ``placeholder`` (:func:`qwenft.data.checks.placeholder_warning`), ``hit``."""
+    file order), ``rows`` (the normalised rows, :class:`PickledRows`), ``system`` (pyarrow: each row's own system
+    prompt or null), ``chat`` (numpy bool: a conversation), ``unit``, ``n_skipped`` (bad rows skipped) and
+    ``skipped`` (the first :data:`KEEP_SKIPPED` of their messages), ``placeholder``
+    (:func:`qwenft.data.checks.placeholder_warning`), ``hit``."""
 
     encoded: Any
-    rows: Sequence[dict]
+    rows: PickledRows
     system: Any
     chat: Any
     unit: str
     skipped: List[str] = field(default_factory=list)
+    n_skipped: int = 0
     placeholder: Optional[str] = None
     hit: bool = False
 
     def take(self, indices: Sequence[int]) -> List[dict]:
         """The rows at ``indices``."""
-        return self.rows.take(indices) if isinstance(self.rows, PickledRows) else [self.rows[i] for i in indices]
+        return self.rows.take(indices)
 
     def system_counts(self, indices, system_prompt: Optional[str]) -> Dict[Optional[str], int]:
         """:func:`qwenft.data.template.system_counts` of the rows at ``indices`` (numpy), from the ``system`` and
@@ -147,20 +157,57 @@ def _own_system(row: dict) -> Optional[str]:
     return messages[0]["content"] if messages and messages[0]["role"] == "system" else None
 
 
-def _write_rows_file(rows: List[dict], path: Path) -> None:
-    """``rows.arrow`` (see the module docstring), written beside ``path`` and renamed."""
-    import pyarrow as pa
+class _RowsFile:
+    """``rows.arrow`` (see the module docstring), written a batch at a time beside ``path`` and renamed by
+    :meth:`finish` (:meth:`abort` removes it)."""
 
-    schema = pa.schema([("py", pa.binary()), ("system", pa.string()), ("chat", pa.bool_())])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for start in range(0, len(rows), 10_000):
-            part = rows[start:start + 10_000]
-            writer.write_batch(pa.record_batch([
-                pa.array([pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in part], pa.binary()),
-                pa.array([_own_system(r) for r in part], pa.string()),
-                pa.array([bool(r.get("messages")) for r in part], pa.bool_())], schema=schema))
-    os.replace(tmp, path)
+    def __init__(self, path: Path) -> None:
+        import pyarrow as pa
+
+        self.path, self.tmp = path, path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self.schema = pa.schema([("py", pa.binary()), ("system", pa.string()), ("chat", pa.bool_())])
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_file(self.sink, self.schema)
+
+    def write(self, rows: Sequence[dict]) -> None:
+        import pyarrow as pa
+
+        self.writer.write_batch(pa.record_batch([
+            pa.array([pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in rows], pa.binary()),
+            pa.array([_own_system(r) for r in rows], pa.string()),
+            pa.array([bool(r.get("messages")) for r in rows], pa.bool_())], schema=self.schema))
+
+    def finish(self) -> None:
+        self.writer.close()
+        self.sink.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if not self.sink.closed:
+            self.sink.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _batches(stream: RowStream, rows_path: Path, placeholders: Placeholders) -> Iterator[List[dict]]:
+    """The rows of ``stream`` in batches of :data:`qwenft.data.store.WRITE_ROWS`, each also appended to
+    ``rows.arrow`` (``rows_path``, complete once the stream is) and counted by ``placeholders``."""
+    out = _RowsFile(rows_path)
+    try:
+        batch: List[dict] = []
+        for row in stream:
+            batch.append(row)
+            if len(batch) == WRITE_ROWS:
+                out.write(batch)
+                placeholders.add(batch)
+                yield batch
+                batch = []
+        if batch:
+            out.write(batch)
+            placeholders.add(batch)
+            yield batch
+        out.finish()
+    finally:
+        out.abort()  # nothing left when finished; the temporary file when the read failed
 
 
 def _rows_file(path: Path):
@@ -172,30 +219,45 @@ def _rows_file(path: Path):
     return table.column("py"), table.column("system"), np.asarray(table.column("chat"), dtype=bool)
 
 
-def load_source(src: DataSource, index: int, dcfg: DataConfig, tokenizer, fingerprint: str) -> SourceData:
-    """Read, normalise and tokenize ``src`` (``data.sources[index]``), or find it in the cache.
-
-    Raises:
-        DataError: see :func:`qwenft.data.read_rows`; with ``on_bad_row=error``, a cached source's first bad row.
-    """
-    key = source_key(src, index, dcfg, fingerprint) if dcfg.cache else None
-    entry = data_root() / key if key else scratch_entry()
-    if key and complete(entry):
-        info = json.loads((entry / "entry.json").read_text())
+def _cached(entry: Path, dcfg: DataConfig, hit: bool) -> SourceData:
+    """The source of the complete entry ``entry``, with what the read recorded (``entry.json``)."""
+    info = json.loads((entry / "entry.json").read_text())
+    if hit:
         if info["skipped"] and dcfg.on_bad_row == "error":
             raise DataError(info["skipped"][0])
         for note in info["notes"]:  # what the read said (an unused replace key), said again
             log.warning("%s", note)
-        py, system, chat = _rows_file(entry / "rows.arrow")
-        return SourceData(load_entry(entry), PickledRows(py), system, chat, info["unit"], info["skipped"],
-                          info["placeholder"], hit=True)
+    py, system, chat = _rows_file(entry / "rows.arrow")
+    return SourceData(load_entry(entry), PickledRows(py), system, chat, info["unit"], info["skipped"],
+                      info["skipped_count"], info["placeholder"], hit=hit)
+
+
+def load_source(src: DataSource, index: int, dcfg: DataConfig, tokenizer, fingerprint: str) -> SourceData:
+    """Read, normalise and tokenize ``src`` (``data.sources[index]``) in one streamed pass, or find it in the cache.
+
+    The rows stream from the file (:class:`qwenft.data.read.RowStream`) in batches that are written to ``rows.arrow``,
+    counted for the placeholder warning and tokenized shard by shard (:func:`qwenft.data.encode.tokenize_into`);
+    no list of all rows is made. A killed run's finished shards are kept: the rerun reads the file again and
+    tokenizes only the shards missing.
+
+    Raises:
+        DataError: see :func:`qwenft.data.read_source` (with ``on_bad_row=error`` the first bad row stops the read
+            where it is; the shards finished before it stay for the next run); a cached source's first bad row.
+    """
+    key = source_key(src, index, dcfg, fingerprint) if dcfg.cache else None
+    entry = data_root() / key if key else scratch_entry()
+    if key and complete(entry):
+        return _cached(entry, dcfg, hit=True)
     notes: List[str] = []
-    rows, skipped, unit = read_rows(src, dcfg.on_bad_row, index, notes=notes)
-    warning = placeholder_warning(rows, src, index)
+    stream = RowStream(src, dcfg.on_bad_row, index, notes=notes, keep_skipped=KEEP_SKIPPED)  # a bad path: raised
+    placeholders = Placeholders()
     entry.mkdir(parents=True, exist_ok=True)
-    _write_rows_file(rows, entry / "rows.arrow")
-    tokenize_into(entry, rows, tokenizer, dcfg, src, unit, key or "scratch", "all rows",
-                  {"source": src.path, "name": src.name, "unit": unit, "skipped": skipped, "notes": notes,
-                   "placeholder": warning})
-    _, system, chat = _rows_file(entry / "rows.arrow")
-    return SourceData(load_entry(entry), rows, system, chat, unit, skipped, warning)
+
+    def final() -> Dict[str, Any]:
+        return {"skipped": stream.skipped, "skipped_count": stream.n_skipped, "notes": notes,
+                "placeholder": placeholders.warning(src, index)}
+
+    built = tokenize_into(entry, _batches(stream, entry / "rows.arrow", placeholders), tokenizer, dcfg, src,
+                          stream.unit, key or "scratch", "all rows",
+                          {"source": src.path, "name": src.name, "unit": stream.unit}, final)
+    return _cached(entry, dcfg, hit=not built)

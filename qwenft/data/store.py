@@ -3,10 +3,12 @@
 An entry ``<qwenft cache>/data/<key>/`` holds ``shards/NNNNN-J.arrow`` (the rows ``NNNNN * SHARD_ROWS`` onward,
 ``J`` the part a ``datasets.map`` worker wrote), ``shards/NNNNN.json`` (the shard's marker: its rows and parts,
 written last, by rename) and ``entry.json`` (written when every shard is there: the entry is complete). Nothing is
-held in memory: the rows going into the map are written to an Arrow file first (:func:`write_rows`), the map
-writes its output to a file (``cache_file_name``), and the result is ``Dataset.from_file`` of the parts, a memory
-map. A run killed halfway leaves its finished shards; the next run with the same key maps only the missing ones,
-and since a shard depends only on its own rows, the ids are those of an uninterrupted run.
+held in memory: the rows arrive as a stream of batches, each written to its shard's input Arrow file
+(:class:`ShardInput`) and dropped; a full shard is mapped from that file (memory-mapped), the map writes its output
+to a file (``cache_file_name``), and the result is ``Dataset.from_file`` of the parts, a memory map. A shard is a
+fixed range of valid rows (:data:`SHARD_ROWS`). A run killed halfway leaves its finished shards; the next run with
+the same key reads the rows again but maps only the missing shards, and since a shard depends only on its own rows,
+the ids are those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 SHARD_ROWS = 50_000  # rows per shard: what a killed run can lose, and the unit of resume
 ENCODED = ["row", "input_ids", "labels", "length", "overflow", "supervised", "prompt_len", "error"]
@@ -89,73 +91,112 @@ def complete(entry: Path) -> bool:
     return (entry / "entry.json").is_file()
 
 
-def write_rows(rows: List[dict], path: Path) -> None:
-    """Write normalised rows (``row``, ``messages``, ``text``) to the Arrow file ``path`` (typed by
-    :func:`example_features`, every message exactly ``{role, content}``), :data:`WRITE_ROWS` at a time."""
-    from datasets.arrow_writer import ArrowWriter
+class ShardInput:
+    """The Arrow file of one shard's rows going into the map (typed by :func:`example_features`, every message
+    exactly ``{role, content}``), written a batch at a time (:meth:`write`) and closed by :meth:`finish`."""
 
-    writer = ArrowWriter(features=example_features(), path=str(path))
-    try:
-        for start in range(0, len(rows), WRITE_ROWS):
-            part = rows[start:start + WRITE_ROWS]
-            writer.write_batch({
-                "row": [r["row"] for r in part],
-                "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]]
-                             if r["text"] is None else [] for r in part],
-                "text": [r["text"] for r in part]})
-        writer.finalize()
-    finally:
-        writer.close()
+    def __init__(self, path: Path) -> None:
+        from datasets.arrow_writer import ArrowWriter
+
+        self.path, self.open = path, True
+        self.writer = ArrowWriter(features=example_features(), path=str(path))
+
+    def write(self, rows: Sequence[dict]) -> None:
+        """Append normalised rows (``row``, ``messages``, ``text``)."""
+        self.writer.write_batch({
+            "row": [r["row"] for r in rows],
+            "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]]
+                         if r["text"] is None else [] for r in rows],
+            "text": [r["text"] for r in rows]})
+
+    def finish(self) -> None:
+        """Write the file's footer and close it (once: a second call does nothing)."""
+        if not self.open:
+            return
+        self.open = False
+        try:
+            self.writer.finalize()
+        finally:
+            self.writer.close()
 
 
-def build_entry(entry: Path, rows: List[dict], map_shard: Callable[[Any, str, str], Any],
-                info: Dict[str, Any]) -> None:
-    """Tokenize ``rows`` into ``entry`` shard by shard, skipping the shards a previous run finished.
+def build_entry(entry: Path, batches: Iterable[Sequence[dict]], map_shard: Callable[[Any, str, str], Any],
+                info: Dict[str, Any], final: Callable[[], Dict[str, Any]] = dict) -> bool:
+    """Tokenize the rows of ``batches`` into ``entry`` shard by shard as they come, skipping the shards a previous
+    run finished (their rows are read and passed over, not tokenized again).
 
     Args:
         entry: the entry folder (created if missing).
-        rows: the normalised rows, in order.
+        batches: the normalised rows, in order, a batch at a time (a stream: a batch is written to the shard's
+            input file, then dropped; consumed only when the entry is built here).
         map_shard: ``(dataset, cache_file_name, desc) -> dataset``: the ``datasets.map`` of one shard's rows
             (memory-mapped input) writing to ``cache_file_name`` (with ``num_proc`` workers, one part each).
-        info: what ``entry.json`` records besides the rows, shards and date (source, split).
+        info: what ``building.json`` and ``entry.json`` record besides the rows, shards and date (source, split).
+        final: called once ``batches`` is exhausted: more for ``entry.json`` (what the read counted).
+
+    Returns:
+        Whether this call built the entry (False: another process completed it while this one waited).
     """
     shards = entry / "shards"
     shards.mkdir(parents=True, exist_ok=True)
     with _locked(entry):  # another run building the same entry: wait for it, then find it complete
-        if not complete(entry):
-            _build(entry, shards, rows, map_shard, info)
+        if complete(entry):
+            return False
+        _build(entry, shards, batches, map_shard, info, final)
+        return True
 
 
-def _build(entry: Path, shards: Path, rows: List[dict], map_shard, info: Dict[str, Any]) -> None:
-    import datasets
-
+def _build(entry: Path, shards: Path, batches: Iterable[Sequence[dict]], map_shard, info: Dict[str, Any],
+           final: Callable[[], Dict[str, Any]]) -> None:
     _write_json(entry / "building.json", info)  # what an incomplete entry is (cache=list)
     done = {m.name for m in shards.glob("[0-9]*.json")}
     done |= {name for m in shards.glob("[0-9]*.json") for name in json.loads(m.read_text())["files"]}
     for path in shards.iterdir():  # what a killed run left half-written (its inputs, temporary outputs)
         if path.name not in done:
             path.unlink(missing_ok=True)
-    starts = list(range(0, len(rows), SHARD_ROWS))
-    for k, start in enumerate(starts):
-        marker = shards / f"{k:05d}.json"
-        if marker.is_file():
-            continue
-        tag = f"{k:05d}.{os.getpid()}"
-        source = shards / f".{tag}.input.arrow"
-        write_rows(rows[start:start + SHARD_ROWS], source)
-        try:
-            part = datasets.Dataset.from_file(str(source))
-            desc = f"shard {k + 1}/{len(starts)}" if len(starts) > 1 else ""
-            mapped = map_shard(part, str(shards / f".{tag}.tmp.arrow"), desc)
-            names = []
-            for j, cached in enumerate(mapped.cache_files):  # one file, or one per map worker, in row order
-                names.append(f"{k:05d}-{j}.arrow")
-                os.replace(cached["filename"], shards / names[-1])
-            _write_json(marker, {"rows": len(part), "files": names})
-        finally:
-            source.unlink(missing_ok=True)
-    _write_json(entry / "entry.json", {**info, "rows": len(rows), "shards": len(starts),
+    shard, filled, total, current = 0, 0, 0, None  # shard number, its rows so far, all rows, its input file
+    try:
+        for batch in batches:
+            pos = 0
+            while pos < len(batch):
+                part = batch[pos:pos + SHARD_ROWS - filled]
+                pos, filled, total = pos + len(part), filled + len(part), total + len(part)
+                if not (shards / f"{shard:05d}.json").is_file():  # else finished by an earlier run: passed over
+                    if current is None:
+                        current = ShardInput(shards / f".{shard:05d}.{os.getpid()}.input.arrow")
+                    current.write(part)
+                if filled == SHARD_ROWS:
+                    _finish_shard(shards, shard, current, map_shard)
+                    shard, filled, current = shard + 1, 0, None
+        if filled:
+            _finish_shard(shards, shard, current, map_shard)
+            shard, current = shard + 1, None
+    finally:
+        if current is not None:  # the stream failed (a bad row): the half-written input goes
+            current.finish()
+            current.path.unlink(missing_ok=True)
+    _write_json(entry / "entry.json", {**info, **final(), "rows": total, "shards": shard,
                                        "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _finish_shard(shards: Path, shard: int, current: Optional[ShardInput], map_shard) -> None:
+    """Tokenize shard ``shard`` from its input file ``current`` (None: finished by an earlier run) and mark it
+    done: its parts renamed into place, then its marker ``NNNNN.json``."""
+    import datasets
+
+    if current is None:
+        return
+    current.finish()
+    try:
+        part = datasets.Dataset.from_file(str(current.path))
+        mapped = map_shard(part, str(shards / f".{shard:05d}.{os.getpid()}.tmp.arrow"), f"shard {shard + 1}")
+        names = []
+        for j, cached in enumerate(mapped.cache_files):  # one file, or one per map worker, in row order
+            names.append(f"{shard:05d}-{j}.arrow")
+            os.replace(cached["filename"], shards / names[-1])
+        _write_json(shards / f"{shard:05d}.json", {"rows": len(part), "files": names})
+    finally:
+        current.path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

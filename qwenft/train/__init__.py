@@ -6,6 +6,16 @@ This room may import :mod:`qwenft.model`, :mod:`qwenft.data`, :mod:`qwenft.evalu
 training), :mod:`qwenft.kernels`, :mod:`qwenft.runtime`, :mod:`qwenft.files` and :mod:`qwenft.config`.
 """
 
-from qwenft.train.run import main, run
-
 __all__ = ["main", "run"]
+
+
+def __getattr__(name: str):
+    """``main`` and ``run``, imported when first asked for: importing a light part of the room
+    (:mod:`~qwenft.train.dist`, for the CLI's launch checks) does not import the Trainer, peft and torch."""
+    if name in __all__:
+        import importlib
+
+        module = importlib.import_module("qwenft.train.run")
+        globals().update(main=module.main, run=module.run)  # the functions, as the eager import bound them
+        return globals()[name]
+    raise AttributeError(f"module 'qwenft.train' has no attribute {name!r}")

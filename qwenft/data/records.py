@@ -1,0 +1,284 @@
+"""The raw records of a data file, streamed: a file is read a block at a time and never held whole.
+
+- JSON Lines: line by line (blank lines skipped, a byte-order mark at the start of any line removed).
+- A JSON array: its elements decoded one after another from a sliding window of the text
+  (``json.JSONDecoder.raw_decode`` at each element's start); only the window (:data:`BLOCK` characters plus one
+  element) is held. A file whose first value is an object followed by more is JSON Lines under a ``.json`` name.
+- CSV: ``csv.DictReader`` over the file's lines, decoded one at a time; parquet: record batches of
+  :data:`BATCH_ROWS` rows.
+
+Every text is UTF-8; bytes that are not are refused naming the file, line, byte offset and column, as
+:func:`decode_utf8` says. Records come as ``(row, record or DataError)``: the 1-based line (JSON Lines, CSV) or
+element / row (JSON array, parquet) and the record, or the error of that one line (a malformed JSON line, which
+``data.on_bad_row=skip`` may skip). An error of the file as a whole (malformed JSON array, malformed CSV quoting,
+non-UTF-8 bytes outside JSON Lines) is raised.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Optional, Tuple
+
+from qwenft.data.formats import DataError, describe, json_float
+
+Record = Tuple[int, Any]  # (1-based line/row, the record, or a DataError for that line)
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors write first: not content
+BLOCK = 4 << 20  # bytes read at a time (JSON arrays)
+BATCH_ROWS = 10_000  # parquet rows converted to Python at a time
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+def decode_utf8(data: bytes, file: str, *, offset: int = 0, line: int = 1, column: int = 1) -> str:
+    """Decode ``data``, a part of ``file`` starting at byte ``offset``, line ``line`` and byte column ``column``
+    (both 1-based), as UTF-8.
+
+    Raises:
+        DataError: a byte sequence that is not UTF-8, naming the file, its line, the byte value and its byte
+            offset in the file (0-based) and column (1-based, in bytes).
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad_line = line + data[: exc.start].count(b"\n")
+        newline = data.rfind(b"\n", 0, exc.start)
+        bad_column = exc.start - newline if newline >= 0 else column + exc.start
+        raise DataError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset {offset + exc.start} "
+                        f"(column {bad_column}); re-save the file as UTF-8", file=file, row=bad_line,
+                        unit="line") from None
+
+
+def open_file(path: Path, file: str) -> BinaryIO:
+    """``path`` opened for reading bytes.
+
+    Raises:
+        DataError: it cannot be read (permissions, a vanished file), naming ``file``.
+    """
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"cannot be read ({exc.strerror or type(exc).__name__})", file=file) from None
+
+
+def _lines(path: Path, file: str) -> Iterator[Tuple[int, int, bytes]]:
+    """``(line number, byte offset, bytes)`` of each line of ``path`` with its ``\\n`` (the last may lack it), a
+    byte-order mark at the start of the file removed (the offset then counts it)."""
+    with open_file(path, file) as handle:
+        offset = 0
+        for number, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
+            if number == 1 and raw.startswith(BOM):
+                raw, start = raw[len(BOM):], start + len(BOM)
+            yield number, start, raw
+
+
+def jsonl_records(path: Path, file: str) -> Iterator[Record]:
+    """The records of a JSON Lines file, one per non-blank line (see the module docstring)."""
+    for number, start, raw in _lines(path, file):
+        if raw.startswith(BOM):  # JSON Lines files concatenated with their byte-order marks
+            raw, start = raw[len(BOM):], start + len(BOM)
+        if not raw.strip():
+            continue
+        try:
+            line = decode_utf8(raw, file, offset=start, line=number)
+            record = json.loads(line, parse_float=json_float)
+            if not isinstance(record, dict):
+                raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
+                                unit="line")
+        except DataError as exc:
+            yield number, exc
+            continue
+        except json.JSONDecodeError as exc:
+            yield number, DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=number,
+                                    unit="line")
+            continue
+        yield number, record
+
+
+class _Window:
+    """The text of a UTF-8 file as a window ``text`` that grows a block at a time (:meth:`more`) and drops what was
+    read (:meth:`drop`), with the line and column of ``text[0]`` kept for the messages."""
+
+    def __init__(self, path: Path, file: str) -> None:
+        self.file, self.text, self.eof = file, "", False
+        self.handle = open_file(path, file)
+        self.pending = self.handle.read(len(BOM))
+        self.offset = len(BOM) if self.pending == BOM else 0  # file offset of the next byte decoded
+        self.pending = b"" if self.offset else self.pending
+        self.byte_line, self.byte_column = 1, 1  # where the next byte decoded is
+        self.line, self.column = 1, 0  # line of text[0], characters of that line before it
+
+    def more(self) -> bool:
+        """Decode the next block onto ``text``; False at the end of the file (nothing added)."""
+        part = b""
+        while not (part or self.eof):
+            data = self.pending + self.handle.read(BLOCK)
+            self.eof = len(data) == len(self.pending)  # nothing more was read
+            cut = len(data) if self.eof else _char_boundary(data)
+            part, self.pending = data[:cut], data[cut:]
+        if not part:
+            return False
+        self.text += decode_utf8(part, self.file, offset=self.offset, line=self.byte_line, column=self.byte_column)
+        self.offset += len(part)
+        newline = part.rfind(b"\n")
+        self.byte_line += part.count(b"\n")
+        self.byte_column = len(part) - newline if newline >= 0 else self.byte_column + len(part)
+        if self.eof:
+            self.handle.close()
+        return True
+
+    def skip_space(self, pos: int) -> int:
+        """The position of the next non-whitespace character at or after ``pos`` (``len(text)`` at the end)."""
+        while True:
+            pos = _SPACE.match(self.text, pos).end()
+            if pos < len(self.text) or not self.more():
+                return pos
+
+    def value(self, decoder: json.JSONDecoder, pos: int) -> Tuple[Any, int]:
+        """The JSON value starting at ``pos`` and the position after it, reading more text while it is cut short.
+
+        Raises:
+            DataError: malformed JSON, naming the line and column.
+        """
+        while True:
+            try:
+                value, end = decoder.raw_decode(self.text, pos)
+                if end < len(self.text) or not self.more():  # a number or name ending the window may go on
+                    return value, end
+            except json.JSONDecodeError as exc:
+                # A value cut by the window's end fails at (or a few characters before) that end, or in a string
+                # with no closing quote yet; any other failure is in the text itself.
+                cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(self.text) - 6
+                if not (cut and self.more()):
+                    raise self.error(exc.msg, exc.pos) from None
+
+    def error(self, message: str, pos: int) -> DataError:
+        """``malformed JSON: MESSAGE (column C)`` at ``text[pos]``, naming its line."""
+        exc = json.JSONDecodeError(message, self.text, min(pos, len(self.text)))
+        column = exc.colno + (self.column if exc.lineno == 1 else 0)
+        return DataError(f"malformed JSON: {message} (column {column})", file=self.file,
+                         row=self.line + exc.lineno - 1, unit="line")
+
+    def drop(self, pos: int) -> int:
+        """Forget ``text[:pos]`` once it is over a block long; returns where ``pos`` now is."""
+        if pos < BLOCK:
+            return pos
+        gone = self.text[:pos]
+        newline = gone.rfind("\n")
+        self.line += gone.count("\n")
+        self.column = pos - newline - 1 if newline >= 0 else self.column + pos
+        self.text = self.text[pos:]
+        return 0
+
+
+def _char_boundary(data: bytes) -> int:
+    """The length of the longest prefix of ``data`` that does not end inside a UTF-8 character."""
+    i = len(data) - 1
+    while i >= 0 and len(data) - i <= 4 and 0x80 <= data[i] < 0xC0:  # continuation bytes
+        i -= 1
+    if i < 0 or data[i] < 0xC0:
+        return len(data)
+    needed = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4  # the lead byte's character length
+    return i if i + needed > len(data) else len(data)
+
+
+def json_records(path: Path, file: str) -> Tuple[Iterator[Record], str]:
+    """The records of a ``.json`` file: the elements of its top-level array (unit ``row``), or its lines when it is
+    JSON Lines (unit ``line``).
+
+    Raises:
+        DataError: not UTF-8, or the file is one object or another value than an array; malformed JSON is raised by
+            the iterator when it is reached (naming line and column).
+    """
+    window = _Window(path, file)
+    decoder = json.JSONDecoder(parse_float=json_float)
+    pos = window.skip_space(0)
+    first = window.text[pos:pos + 1]
+    if first == "{":
+        value, end = window.value(decoder, pos)
+        if window.skip_space(end) < len(window.text):  # more after one object: JSON Lines
+            window.handle.close()
+            return jsonl_records(path, file), "line"
+        raise DataError(f"expected a JSON array of objects (or JSON Lines); got an object with keys: "
+                        f"{', '.join(list(value)[:8])}", file=file)
+    if first != "[":
+        if not first:
+            raise window.error("Expecting value", pos)
+        value, end = window.value(decoder, pos)
+        if window.skip_space(end) < len(window.text):
+            raise window.error("Extra data", window.skip_space(end))
+        raise DataError(f"expected a JSON array of objects, got {type(value).__name__}", file=file)
+    return _elements(window, decoder, pos + 1), "row"
+
+
+def _elements(window: _Window, decoder: json.JSONDecoder, pos: int) -> Iterator[Record]:
+    """The elements of the array whose ``[`` ends just before ``pos``, numbered from 1; then nothing but
+    whitespace may follow its ``]``."""
+    number = 0
+    pos = window.skip_space(pos)
+    if window.text[pos:pos + 1] == "]":
+        pos += 1
+    else:
+        while True:
+            value, pos = window.value(decoder, pos)
+            number += 1
+            yield number, value
+            pos = window.drop(window.skip_space(pos))
+            found = window.text[pos:pos + 1]
+            if found == "]":
+                pos += 1
+                break
+            if found != ",":
+                raise window.error("Expecting ',' delimiter", pos)
+            pos = window.skip_space(pos + 1)
+    pos = window.skip_space(pos)
+    if pos < len(window.text):
+        raise window.error("Extra data", pos)
+
+
+def csv_records(path: Path, file: str) -> Iterator[Record]:
+    """The records of a CSV file with a header line: each a ``{column: text}`` dict, its row the line it starts on.
+
+    Raises (when reached):
+        DataError: malformed CSV (naming the line), or bytes that are not UTF-8.
+    """
+    text = (decode_utf8(raw, file, offset=start, line=number) for number, start, raw in _lines(path, file))
+    reader = csv.DictReader(text)
+    try:
+        reader.fieldnames  # reads the header line
+        line = reader.line_num
+        for record in reader:
+            start, line = line + 1, reader.line_num
+            if None in record:
+                yield start, DataError(f"has {len(record) - 1 + len(record[None])} fields, the header "
+                                       f"{len(reader.fieldnames)}", file=file, row=start, unit="line")
+                continue
+            yield start, {k: v for k, v in record.items() if v is not None}
+    except csv.Error as exc:
+        raise DataError(f"malformed CSV: {exc}", file=file, row=reader.line_num, unit="line") from None
+
+
+def parquet_records(path: Path, file: str) -> Iterator[Record]:
+    """The rows of a parquet file as dicts, :data:`BATCH_ROWS` converted at a time.
+
+    Raises:
+        DataError: not a readable parquet file.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        reader: Optional[pq.ParquetFile] = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt or non-parquet file
+        raise DataError(f"not a readable parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})",
+                        file=file) from None
+    return _batches(reader.iter_batches(batch_size=BATCH_ROWS))
+
+
+def _batches(batches) -> Iterator[Record]:
+    number = 0
+    for batch in batches:
+        for record in batch.to_pylist():
+            number += 1
+            yield number, record
