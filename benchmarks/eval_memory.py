@@ -29,7 +29,8 @@ reported but not enforced (a tiny model's figures are the process baseline).
     python benchmarks/eval_memory.py --steps 10 --keep /tmp/eval-memory   # fewer steps; keep the run folders
     python benchmarks/eval_memory.py --quick          # tiny-random (well under a minute on 2 cores)
 
-Cost: the default run is not yet timed. Expect most of an hour on 2 cores: 30 x 4 rows of ~750 tokens at the
+Cost: ``--steps 1`` took 58 min on 2 cores at load average 2-6 (2026-12-02; train with its evaluation 33 min, the
+later eval 24 min); the default 30 steps add about half an hour: 30 x 4 rows of ~750 tokens at the
 quickstart's ~30-40 training tokens/s, then two evaluations (after train, later), each base and tuned on 64 MMLU
 questions. The quick run took 53 s on 2 cores at load average ~2 (2026-12-02). Not in ``python -m benchmarks``:
 the default run alone exceeds the suite's 20 minutes.
