@@ -291,3 +291,39 @@ def test_the_data_command_imports_no_trainer(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "training examples: 5" in proc.stdout and "IMPORTED []" in proc.stdout
     assert "Running in WANDB offline mode" not in proc.stdout + proc.stderr
+
+
+DEEP = '{"instruction": "q", "output": "a", "m": ' + "[" * 100_000 + "]" * 100_000 + "}"
+LONG_INT = '{"instruction": "q", "output": ' + "9" * 5000 + "}"
+HALF_PAIR = '{"instruction": "q", "output": "bad \\ud800 half"}'
+WHOLE_PAIR = '{"instruction": "q", "output": "smile \\ud83d\\ude00"}'
+
+
+@pytest.mark.parametrize("line,says", [(DEEP, "nested too deeply"), (LONG_INT, "integer too long"),
+                                       (HALF_PAIR, "half of a UTF-16 surrogate pair")])
+def test_json_the_reader_gives_up_on_is_a_bad_row_not_a_crash(tmp_path, line, says):
+    """JSON that ``json`` refuses beside JSONDecodeError (RecursionError, the int digits limit) and a lone surrogate
+    escape, which decodes but cannot be written as UTF-8 (Arrow's UnicodeEncodeError): a DataError naming the line,
+    which on_bad_row=skip skips and counts (they crashed the command with a traceback)."""
+    good = [json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) for i in range(4)]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(good[:2] + [line] + good[2:]) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"bad\.jsonl.*line 3.*{says}"):
+        rows_of(path)
+    skipped = []
+    rows = read_source(DataSource(name="x", path=str(path)), on_bad_row="skip", skipped=skipped)
+    assert len(skipped) == 1 and says in skipped[0]
+    assert [r["row"] for r in rows] == [1, 2, 4, 5]
+    as_array = tmp_path / "bad.json"
+    as_array.write_text("[" + ",\n".join(good[:2] + [line] + good[2:]) + "]", encoding="utf-8")
+    if says.startswith("half"):  # one element: skippable as a row
+        kept = read_source(DataSource(name="x", path=str(as_array)), on_bad_row="skip")
+        assert [r["row"] for r in kept] == [1, 2, 4, 5]
+    with pytest.raises(DataError, match=rf"bad\.json\b.*{says}"):
+        rows_of(as_array)
+
+
+def test_a_whole_surrogate_pair_is_the_character(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(WHOLE_PAIR + "\n", encoding="utf-8")
+    assert rows_of(path)[0]["messages"][-1]["content"] == "smile \U0001F600"

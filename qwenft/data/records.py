@@ -28,6 +28,33 @@ Record = Tuple[int, Any]  # (1-based line/row, the record, or a DataError for th
 BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors write first: not content
 BLOCK = 4 << 20  # bytes read at a time (JSON arrays)
 BATCH_ROWS = 10_000  # parquet rows converted to Python at a time
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape: half of a UTF-16 pair, or all of one
+
+
+def unparsable(exc: BaseException) -> Optional[str]:
+    """What a value the JSON reader gave up on holds, for the errors :mod:`json` raises beside
+    ``JSONDecodeError``: nesting deeper than Python's recursion limit, an integer longer than Python converts
+    (``sys.get_int_max_str_digits``); None for any other error."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply (lists or objects inside each other beyond Python's recursion limit)"
+    if isinstance(exc, ValueError) and not isinstance(exc, json.JSONDecodeError) and "digits" in str(exc):
+        return f"an integer too long to read ({exc})"
+    return None
+
+
+def lone_surrogate(value: Any, raw: str, row: int, file: str, unit: str) -> Optional[DataError]:
+    """A DataError where ``value`` (decoded from ``raw``) holds a ``\\uD800``-``\\uDFFF`` escape that is not half
+    of a surrogate pair: a character no UTF-8 text can hold (Arrow refuses it); None otherwise. ``raw`` is only
+    searched for such an escape, so the common case costs one regex scan."""
+    if not _SURROGATE.search(raw):
+        return None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return DataError(f"a \\u{ord(exc.object[exc.start]):04x} escape is half of a UTF-16 surrogate pair, not "
+                         f"a character: write the character itself, or the escapes of the whole pair",
+                         file=file, row=row, unit=unit)
+    return None
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 
 
@@ -87,12 +114,20 @@ def jsonl_records(path: Path, file: str) -> Iterator[Record]:
             if not isinstance(record, dict):
                 raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
                                 unit="line")
+            bad = lone_surrogate(record, line, number, file, "line")
+            if bad is not None:
+                raise bad
         except DataError as exc:
             yield number, exc
             continue
         except json.JSONDecodeError as exc:
             yield number, DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=number,
                                     unit="line")
+            continue
+        except (RecursionError, ValueError) as exc:
+            if unparsable(exc) is None:
+                raise
+            yield number, DataError(f"malformed JSON: {unparsable(exc)}", file=file, row=number, unit="line")
             continue
         yield number, record
 
@@ -153,6 +188,10 @@ class _Window:
                 cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(self.text) - 6
                 if not (cut and self.more()):
                     raise self.error(exc.msg, exc.pos) from None
+            except (RecursionError, ValueError) as exc:  # after JSONDecodeError, a ValueError itself
+                if unparsable(exc) is None:
+                    raise
+                raise self.error(str(unparsable(exc)), pos) from None
 
     def error(self, message: str, pos: int) -> DataError:
         """``malformed JSON: MESSAGE (column C)`` at ``text[pos]``, naming its line."""
@@ -222,9 +261,11 @@ def _elements(window: _Window, decoder: json.JSONDecoder, pos: int) -> Iterator[
         pos += 1
     else:
         while True:
+            start = pos
             value, pos = window.value(decoder, pos)
             number += 1
-            yield number, value
+            bad = lone_surrogate(value, window.text[start:pos], number, window.file, "row")
+            yield number, (value if bad is None else bad)
             pos = window.drop(window.skip_space(pos))
             found = window.text[pos:pos + 1]
             if found == "]":
