@@ -193,8 +193,9 @@ def main() -> None:
 
     tokenizer_dir = str(embedded_model_dir())  # converted once, before any arm (not timed)
     base = base_rows(shared)
+    # TOKENIZERS_PARALLELISM as the user has it (unset: the tokenizers library's default, its batch encoding on
+    # every core, in both arms); it is recorded with the results
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", COLUMNS="120",
-               TOKENIZERS_PARALLELISM=os.environ.get("TOKENIZERS_PARALLELISM", "false"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     run = f"{os.getpid():x}{int(time.time()) % 100000:x}"
     load_before = os.getloadavg()
@@ -223,7 +224,8 @@ def main() -> None:
     save_json("data_scale_quick" if args.quick else "data_scale", {
         "environment": {**environment(), "datasets": __import__("datasets").__version__,
                         "tokenizers": __import__("tokenizers").__version__,
-                        "load_average_before_after": [load_before, load_after]},
+                        "load_average_before_after": [load_before, load_after],
+                        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "(unset)")},
         "settings": {"sizes": sizes, "base_rows": len(base), "max_seq_len": 1024, "plain_batch_size": 1000,
                      "tokenizer": "qwen2.5-coder-0.5b-embedded", "data": [ALPACA, GSM8K], "quick": args.quick},
         "results": results,
