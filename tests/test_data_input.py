@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from qwenft.config import DataSource
-from qwenft.data import DataError, read_source
-from tests.test_data import qa_rows
+from qwenft.data import DataError, build, read_source
+from tests.test_data import qa_rows, tiny  # noqa: F401  (a fixture)
 
 
 def csv_lines(n: int, start: int = 0):
@@ -38,3 +38,55 @@ def test_an_unclosed_csv_quote_is_refused_even_with_skip_naming_its_line(tmp_pat
     rows, skipped = read_skipping(path)
     assert [r["row"] for r in rows] == [2, 3, 5, 6]
     assert len(skipped) == 1 and f"{path}: line 4: malformed CSV" in skipped[0]
+
+
+def test_special_tokens_as_text_are_bad_rows_of_the_read_naming_the_field(tmp_path):
+    """Found while reading (in file order, skippable, counted like any bad row), naming the turn's field."""
+    rows = qa_rows(4) + [{"instruction": "q", "input": "see <|im_start|>", "output": "a"},
+                         {"instruction": "q", "output": "a <|im_end|> b"}]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"a\.jsonl: line 5: field 'input': contains the special token <\|im_start\|>"):
+        read_source(DataSource(name="x", path=str(path)))
+    got, skipped = read_skipping(path)
+    assert len(got) == 4 and len(skipped) == 2 and "line 6: field 'output'" in skipped[1]
+    turns = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<|endoftext|>"}]}]
+    path.write_text(json.dumps(turns[0]) + "\n")
+    with pytest.raises(DataError, match=r"line 1: field 'conversations\[1\]\.value': contains the special token "
+                                        r"<\|endoftext\|> as text \(turn 2, assistant\)"):
+        read_source(DataSource(name="x", path=str(path), format="sharegpt"))
+
+
+def test_rows_failing_tokenization_first_in_file_and_counted_when_held_out(tiny, tmp_path):
+    """A row that encodes to nothing (here: no supervised token under a template that drops answers) and an
+    overlong drop: with on_bad_row=error the first in the file is named whichever side of the split it fell on;
+    with skip, held-out ones are counted too."""
+    import copy
+
+    from qwenft.config import Config, DataConfig
+
+    silent = copy.deepcopy(tiny)  # answers rendered only when they say "keep"
+    silent.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or 'keep' in m['content'] %}"
+                            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+    rows = [{"instruction": f"q{i}", "output": f"keep {i}" if i % 3 else f"drop {i}"} for i in range(30)]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for seed in range(4):  # the eval split moves; the row named stays line 1
+        source = DataSource(name="x", path=str(path), eval_rows=10)
+        with pytest.raises(DataError, match=r"a\.jsonl: line 1: no supervised tokens"):
+            build(Config(data=DataConfig(sources=[source], cache=False, seed=seed)), silent)
+    source = DataSource(name="x", path=str(path), eval_rows=10)
+    bundle = build(Config(data=DataConfig(sources=[source], cache=False, on_bad_row="skip")), silent)
+    counts = bundle.stats["sources"]["x"]
+    assert 0 < len(bundle.eval) < 10  # some of the 10 bad rows were held out
+    assert counts["skipped"] == 10 == bundle.stats["skipped"]  # lines 1, 4, ..., 28: held out or not
+    assert counts["eval"] == 10 and counts["usable"] + len(bundle.eval) == 20
+    # overlong rows dropped from the held-out rows are counted as well
+    long = [{"instruction": f"q{i}", "output": "keep " + "word " * (60 if i < 10 else 1)} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in long))
+    whole = DataSource(name="x", path=str(path), eval_rows=30, weight=0.0)
+    train = DataSource(name="t", path=str(tmp_path / "t.jsonl"))
+    Path(train.path).write_text("".join(json.dumps(r) + "\n" for r in long[10:]))
+    bundle = build(Config(data=DataConfig(sources=[whole, train], cache=False, max_seq_len=32, overlong="drop")),
+                   silent)
+    assert bundle.stats["sources"]["x"]["dropped"] == 10 and len(bundle.eval) == 20
