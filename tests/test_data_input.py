@@ -90,3 +90,21 @@ def test_rows_failing_tokenization_first_in_file_and_counted_when_held_out(tiny,
     bundle = build(Config(data=DataConfig(sources=[whole, train], cache=False, max_seq_len=32, overlong="drop")),
                    silent)
     assert bundle.stats["sources"]["x"]["dropped"] == 10 and len(bundle.eval) == 20
+
+
+@pytest.mark.parametrize("name, content, said", [
+    ("a.csv", "", "the file is empty or holds only its header line"),
+    ("a.csv", "instruction,output\n", "the file is empty or holds only its header line"),
+    ("a.jsonl", "", "the file is empty or all blank lines"),
+    ("a.jsonl", "\n \n", "the file is empty or all blank lines"),
+    ("a.json", "", "the file is empty or all whitespace"),
+    ("a.json", "[]", "an empty array")])
+def test_a_file_of_no_rows_is_refused_naming_it(tiny, tmp_path, name, content, said):
+    """Not "no usable training rows" of the source's name: the file, and what it holds."""
+    from qwenft.config import Config, DataConfig
+
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError) as info:
+        build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path))], cache=False)), tiny)
+    assert str(info.value).startswith(f"{path}: no rows ({said})")

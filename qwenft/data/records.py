@@ -228,8 +228,8 @@ def json_records(path: Path, file: str) -> Tuple[Iterator[Record], str]:
     JSON Lines (unit ``line``).
 
     Raises:
-        DataError: not UTF-8, or the file is one object or another value than an array; malformed JSON is raised by
-            the iterator when it is reached (naming line and column).
+        DataError: not UTF-8, an empty file, or the file is one object or another value than an array; malformed
+            JSON is raised by the iterator when it is reached (naming line and column).
     """
     window = _Window(path, file)
     decoder = json.JSONDecoder(parse_float=json_float)
@@ -244,7 +244,7 @@ def json_records(path: Path, file: str) -> Tuple[Iterator[Record], str]:
                         f"{', '.join(list(value)[:8])}", file=file)
     if first != "[":
         if not first:
-            raise window.error("Expecting value", pos)
+            raise DataError("no rows (the file is empty or all whitespace)", file=file)
         value, end = window.value(decoder, pos)
         if window.skip_space(end) < len(window.text):
             raise window.error("Extra data", window.skip_space(end))
