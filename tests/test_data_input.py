@@ -108,3 +108,36 @@ def test_a_file_of_no_rows_is_refused_naming_it(tiny, tmp_path, name, content, s
     with pytest.raises(DataError) as info:
         build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path))], cache=False)), tiny)
     assert str(info.value).startswith(f"{path}: no rows ({said})")
+
+
+def test_a_refused_build_leaves_no_entry_and_a_killed_ones_leftovers_go(tiny, tmp_path, monkeypatch):
+    """A bad row before any shard finished: no entry folder stays (a fixed file has another key: it would never be
+    used). What a SIGKILL left (temporary files of a dead pid, an entry with nothing finished) goes at the next
+    build; a live process's files and a killed run's finished shards stay (resumed: another test)."""
+    import os
+
+    from qwenft.config import Config, DataConfig
+    from qwenft.data import store
+
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(3) + [{"instruction": "q", "output": ""}]))
+    with pytest.raises(DataError, match="line 4: field 'output': empty answer"):
+        build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path))])), tiny)
+    assert not any(p.is_dir() and not p.name.startswith(".") for p in (tmp_path / "cache" / "data").iterdir())
+    root, dead = tmp_path / "cache" / "data", 999_999_999  # above any pid_max: never a live process
+    killed, resumable = root / ("k" * 32), root / ("r" * 32)
+    for entry in (killed, resumable):
+        (entry / "shards").mkdir(parents=True)
+        (entry / "building.json").write_text(json.dumps({"source": "x", "pid": dead}))
+        (entry / f".rows.arrow.{dead}.tmp").write_bytes(b"half")
+        (entry / f".rows.arrow.{os.getpid()}.tmp").write_bytes(b"mine")  # a live process's: kept
+    (resumable / "shards" / "00000.json").write_text(json.dumps({"rows": 1, "files": ["00000-0.arrow"]}))
+    (resumable / "shards" / "00000-0.arrow").write_bytes(b"done")
+    (resumable / "shards" / f".00001.{dead}.input.arrow").write_bytes(b"half")
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(3)))
+    build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path))])), tiny)
+    assert not killed.exists()
+    assert sorted(p.name for p in resumable.rglob("*")) == sorted([
+        "shards", "building.json", f".rows.arrow.{os.getpid()}.tmp", "00000.json", "00000-0.arrow"])
+    assert [e["shards_done"] for e in store.entries() if not e["complete"]] == [1]
