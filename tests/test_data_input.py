@@ -141,3 +141,27 @@ def test_a_refused_build_leaves_no_entry_and_a_killed_ones_leftovers_go(tiny, tm
     assert sorted(p.name for p in resumable.rglob("*")) == sorted([
         "shards", "building.json", f".rows.arrow.{os.getpid()}.tmp", "00000.json", "00000-0.arrow"])
     assert [e["shards_done"] for e in store.entries() if not e["complete"]] == [1]
+
+
+def test_qwenft_data_on_an_empty_cache_prepares_only_the_embedded_tokenizer(embedded_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    """The data command never converts the embedded weights (a minute or two): the tokenizer and config come from
+    the GGUF's metadata (the first package part), and tokenize exactly as the converted model's tokenizer."""
+    from qwenft.cli import main
+    from qwenft.data.encode import tokenizer_fingerprint
+    from qwenft.model import load_tokenizer, sources
+
+    def no_conversion():
+        raise AssertionError("qwenft data converted the embedded model")
+
+    monkeypatch.setattr(sources, "embedded_model_dir", no_conversion)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(4)))
+    main(["data", "data.cache=false", f"data.sources=[{{name: d, path: {path}}}]"])
+    assert "training examples: 4" in capsys.readouterr().out
+    made = tmp_path / "cache" / "embedded" / f"{sources.EMBEDDED_SHA256[:16]}-tokenizer"
+    assert sorted(p.name for p in made.iterdir()) == ["chat_template.jinja", "config.json", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert not (made.parent / sources.EMBEDDED_SHA256[:16]).exists()
+    assert tokenizer_fingerprint(load_tokenizer(str(made))) == tokenizer_fingerprint(load_tokenizer(str(embedded_dir)))

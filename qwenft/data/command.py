@@ -87,9 +87,9 @@ def preview(config: Config) -> None:
     """
     from qwenft.data.pipeline import build
     from qwenft.logfilter import result_console
-    from qwenft.model import load_tokenizer, resolve_model_dir
+    from qwenft.model import load_tokenizer, tokenizer_dir
 
-    model_dir = resolve_model_dir(config.model)
+    model_dir = tokenizer_dir(config.model)  # the embedded model's tokenizer without converting its weights
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     bundle = build(config, tokenizer)
     stats = bundle.stats
