@@ -165,3 +165,53 @@ def test_qwenft_data_on_an_empty_cache_prepares_only_the_embedded_tokenizer(embe
                                                       "tokenizer_config.json"]
     assert not (made.parent / sources.EMBEDDED_SHA256[:16]).exists()
     assert tokenizer_fingerprint(load_tokenizer(str(made))) == tokenizer_fingerprint(load_tokenizer(str(embedded_dir)))
+
+
+def test_jsonl_line_ends_and_columns(tmp_path):
+    """CR-only line ends are named as such (not "Extra data" of a one-line file); a malformed line's column counts
+    within the line (its newline is not a second line)."""
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\r" for r in qa_rows(3)))
+    with pytest.raises(DataError) as info:
+        read_source(DataSource(name="x", path=str(path)))
+    assert str(info.value) == (f"{path}: line 1: the lines end in a carriage return (\\r) only, so the file reads as "
+                               "one line holding 3 JSON values; re-save it with LF (or CRLF) line endings")
+    for end in ("\n", "\r\n"):
+        path.write_text(json.dumps(qa_rows(1)[0]) + end + '{"instruction": "x", "output": "y"' + end)
+        with pytest.raises(DataError, match=r"line 2: malformed JSON: Expecting ',' delimiter \(column 35\)$"):
+            read_source(DataSource(name="x", path=str(path)))
+
+
+def test_csv_rows_of_another_width_and_a_duplicated_header(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("instruction,output\nq0,a0\nq1\nq2,a2,extra,more\nq3,a3\n")
+    rows, skipped = read_skipping(path)
+    assert [r["row"] for r in rows] == [2, 5]
+    assert skipped == [f"{path}: line 3: the row has 1 cell where the header has 2 (instruction, output)",
+                       f"{path}: line 4: the row has 4 cells where the header has 2 (instruction, output)"]
+    path.write_text("instruction,output,output\nq0,a0,\n")
+    with pytest.raises(DataError) as info:
+        read_skipping(path)
+    assert str(info.value).startswith(f"{path}: line 1: the header line names 'output' more than once")
+
+
+def test_eval_by_names_the_line_and_eval_rows_equal_to_the_rows_is_clamped(tiny, tmp_path, caplog):
+    import logging
+
+    from qwenft.config import Config, ConfigError, DataConfig
+
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({**r, "fact": i % 3}) + "\n" for i, r in enumerate(qa_rows(9)))
+                    + json.dumps(qa_rows(1)[0]) + "\n")
+    source = DataSource(name="d", path=str(path), eval_rows=3, eval_by="fact")
+    with pytest.raises(DataError, match=rf"^{path}: line 10: field 'fact': missing \(needed by eval_by=fact\)"):
+        build(Config(data=DataConfig(sources=[source], cache=False)), tiny)
+    with caplog.at_level(logging.WARNING):  # equal counts: as a larger value, clamped with a warning
+        bundle = build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path), eval_rows=10)],
+                                              cache=False)), tiny)
+    assert bundle.stats["sources"]["d"]["eval"] == 3 and bundle.stats["train_examples"] == 7
+    assert "data.sources.0.eval_rows=10 is all of its 10 usable rows; clamped to 3 (a third)" in caplog.text
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(2)))
+    with pytest.raises(ConfigError, match=r"eval_rows=2: source d .* has only 2 usable rows; the largest valid value "
+                                          r"is 1"):
+        build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path), eval_rows=2)], cache=False)), tiny)

@@ -36,6 +36,10 @@ class DataSource:
     ``eval_by``: a field of the file's rows (e.g. ``fact``); when set, the ``eval_rows`` held out are
     spread over its distinct values (one row per value before a second one), instead of drawn at random.
     ``replace``: placeholder name -> text; every ``{{name}}`` in the rows' texts is replaced before use.
+    ``max_rows``: read only the first N rows that pass the read's checks, in file order: rows refused while read
+    (malformed, a missing field, ``data.on_bad_row=skip``) are not counted and the read goes on past them; rows
+    lost later, when tokenized (no supervised token, ``overlong=drop``), are counted, so fewer than N may be
+    usable; ``eval_rows`` is held out of these N.
     """
 
     name: str = "source"

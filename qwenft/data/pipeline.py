@@ -227,7 +227,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
             if warning:
                 log.warning("%s", warning)
-        held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by), dtype=np.int64)
+        held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by,
+                                             file=src.path, unit=data.unit), dtype=np.int64)
         kept_idx = np.setdiff1d(np.arange(n, dtype=np.int64), held_idx, assume_unique=True)
         counts = {"path": src.path, "format": src.format, "rows_read": n + skipped,
                   "skipped": skipped, "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}

@@ -109,7 +109,7 @@ def jsonl_records(path: Path, file: str) -> Iterator[Record]:
         if not raw.strip():
             continue
         try:
-            line = decode_utf8(raw, file, offset=start, line=number)
+            line = decode_utf8(raw, file, offset=start, line=number).rstrip("\r\n")  # columns count the line only
             record = json.loads(line, parse_float=json_float)
             if not isinstance(record, dict):
                 raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
@@ -121,6 +121,11 @@ def jsonl_records(path: Path, file: str) -> Iterator[Record]:
             yield number, exc
             continue
         except json.JSONDecodeError as exc:
+            if "\r" in line and exc.msg == "Extra data":  # CR-only line ends: the whole file is one line to Python
+                yield number, DataError(f"the lines end in a carriage return (\\r) only, so the file reads as one "
+                                        f"line holding {line.count(chr(13)) + 1} JSON values; re-save it with LF "
+                                        "(or CRLF) line endings", file=file, row=number, unit="line")
+                continue
             yield number, DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=number,
                                     unit="line")
             continue
@@ -286,9 +291,11 @@ def csv_records(path: Path, file: str) -> Iterator[Record]:
     (skippable). A quoted field that is never closed swallows every line after it, so nothing past its opening
     row can be told apart: it is raised, even with ``data.on_bad_row=skip``, naming the row it opens on.
 
+    A row of more or fewer cells than the header is a bad row saying both counts.
+
     Raises (when reached):
         DataError: a quoted field never closed (naming the line of its row and the lines it swallowed), malformed
-            CSV in the header line, or bytes that are not UTF-8.
+            CSV in the header line, a header naming a column twice, or bytes that are not UTF-8.
     """
     text = (decode_utf8(raw, file, offset=start, line=number) for number, start, raw in _lines(path, file))
     reader = csv.DictReader(text, strict=True)
@@ -298,6 +305,12 @@ def csv_records(path: Path, file: str) -> Iterator[Record]:
     except csv.Error as exc:
         raise DataError(f"malformed CSV in the header line: {_csv_reason(exc)}", file=file, row=lines.line_num or 1,
                         unit="line") from None
+    header = reader.fieldnames or []
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"the header line names {', '.join(repr(name) for name in twice)} more than once; each "
+                        "column needs its own name (a row's later cell would silently win)", file=file,
+                        row=lines.line_num, unit="line")
     line = lines.line_num
     while True:
         start = line + 1
@@ -315,11 +328,12 @@ def csv_records(path: Path, file: str) -> Iterator[Record]:
             yield start, DataError(f"malformed CSV: {_csv_reason(exc)}", file=file, row=start, unit="line")
             continue
         line = lines.line_num
-        if None in record:
-            yield start, DataError(f"has {len(record) - 1 + len(record[None])} fields, the header "
-                                   f"{len(reader.fieldnames)}", file=file, row=start, unit="line")
+        if None in record or None in record.values():  # more cells than the header names, or fewer
+            cells = len(header) + len(record.get(None, ())) - sum(v is None for k, v in record.items() if k is not None)
+            yield start, DataError(f"the row has {cells} cell{'s' * (cells != 1)} where the header has {len(header)} "
+                                   f"({', '.join(header)})", file=file, row=start, unit="line")
             continue
-        yield start, {k: v for k, v in record.items() if v is not None}
+        yield start, record
 
 
 def _csv_reason(exc: Exception) -> str:
