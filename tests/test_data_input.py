@@ -215,3 +215,36 @@ def test_eval_by_names_the_line_and_eval_rows_equal_to_the_rows_is_clamped(tiny,
     with pytest.raises(ConfigError, match=r"eval_rows=2: source d .* has only 2 usable rows; the largest valid value "
                                           r"is 1"):
         build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path), eval_rows=2)], cache=False)), tiny)
+
+
+def test_small_config_messages(tiny, tmp_path, monkeypatch, capsys, caplog):
+    """A source key's type error names the key in full; an unknown columns key lists the allowed ones; weight 0
+    without eval_rows warns; cache=clear of a key no entry has exits 2 saying so."""
+    import logging
+
+    from qwenft.cli import main
+    from qwenft.config import Config, ConfigError, DataConfig
+
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(4)))
+    for extra, said in ((", max_rows: abc", "data.sources.0.max_rows: Value 'abc' of type 'str' could not be "
+                                            "converted to Integer"),
+                        (", columns: {bogus: x}", "data.sources[d].columns.bogus='x' is not accepted; 'bogus' is not a "
+                                                  "field of the alpaca format; the keys allowed are its fields: "
+                                                  "instruction, input, output, system, history")):
+        with pytest.raises(SystemExit) as info:
+            main(["data", "model=tiny-random", f"data.sources=[{{name: d, path: {path}{extra}}}]"])
+        assert info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith(
+            f"qwenft: error: {said}")
+    with pytest.raises(ConfigError, match="the keys allowed are its fields: conversations, from, value, system"):
+        DataSource(name="x", path="a.jsonl", format="sharegpt", columns={"messages": "m"})
+    train, idle = DataSource(name="t", path=str(path)), DataSource(name="idle", path=str(path), weight=0.0)
+    with caplog.at_level(logging.WARNING):
+        build(Config(data=DataConfig(sources=[train, idle], cache=False)), tiny)
+    assert "idle: weight 0 and no eval_rows: neither trained nor evaluated on; set data.sources.1.eval_rows=N" \
+        in caplog.text
+    with pytest.raises(SystemExit) as info:
+        main(["data", "cache=clear", "nosuchkey"])
+    assert info.value.code == 2 and "no cache entry's key starts with nosuchkey; nothing removed" in \
+        capsys.readouterr().err

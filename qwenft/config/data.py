@@ -63,8 +63,10 @@ class DataSource:
             _check(re.fullmatch(r"[^\W\d]\w*", str(key)) is not None and isinstance(value, str),
                    f"data.sources[{self.name}].replace.{key}", value,
                    "needs a placeholder name (letters, digits, _) and a text: replace={name: Ada} fills {{name}}")
-        for key in self.columns:
-            _check_choice(f"data.sources[{self.name}].columns.{key}", key, FORMAT_FIELDS[self.format])
+        for key in self.columns:  # keys: the format's field names; values: the file's
+            _check(key in FORMAT_FIELDS[self.format], f"data.sources[{self.name}].columns.{key}", self.columns[key],
+                   f"{key!r} is not a field of the {self.format} format; the keys allowed are its fields: "
+                   f"{', '.join(FORMAT_FIELDS[self.format])} (columns={{FIELD: the file's name for it}})")
         _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
         _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
                "must be a positive integer or null")

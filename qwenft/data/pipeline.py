@@ -224,6 +224,9 @@ def build(config: Config, tokenizer) -> DataBundle:
         if dcfg.on_bad_row == "error":  # the first bad row in the file, held out or not
             _first_error(data.encoded)
         n_eval, clamped = eval_rows_for(src, index, n)  # more than the source has: clamped or refused
+        if src.weight <= 0 and not src.eval_rows:
+            log.warning("%s: weight 0 and no eval_rows: neither trained nor evaluated on; set "
+                        "data.sources.%d.eval_rows=N to evaluate on it, or a weight > 0 to train on it", src.name, index)
         for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
             if warning:
                 log.warning("%s", warning)
