@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from qwenft.config import Config, ConfigError, omegaconf_message, to_config
+from qwenft.config.load import sources_override_message
 from qwenft.files import atomic_write_bytes
 from qwenft.resources import available_recipes, conf_dir, project_root
 from qwenft.runlock import LOCK_FILES
@@ -289,7 +290,7 @@ def validate(command: str, overrides: Sequence[str], multirun: bool = False) -> 
             try:
                 cfg = compose(config_name="config", overrides=[*point, f"command={command}"])
             except Exception as exc:
-                message = _compose_message(exc)
+                message = sources_override_message(point) or _compose_message(exc)
                 raise ConfigError(f"{message}{_where_in_recipe_file(message, point)}") from None
             try:
                 configs.append(to_config(cfg))

@@ -346,7 +346,7 @@ def test_held_out_rows_carry_their_tokens(tiny, tmp_path):
                       format="text", eval_rows=1)
     bundle = build(config_for(chat, text, max_seq_len=64, system_prompt="Sys.", on_bad_row="skip"), tiny)
     held = bundle.eval_rows["chat"]
-    assert len(held) == 8 and held[7]["input_ids"] is held[7]["labels"] is None  # the special token as text
+    assert len(held) == 7 and bundle.stats["sources"]["chat"]["skipped"] == 1  # the special token: skipped when read
     for row in held:
         if row["input_ids"] is not None:
             want = encode_example(tiny, row["messages"], max_seq_len=64, train_on="assistant", system_prompt="Sys.")
@@ -573,8 +573,9 @@ def test_source_held_out_entirely(tiny, tmp_path):
     eval_only = DataSource(name="held", path=str(rows), weight=0.0, eval_rows=6)
     bundle = build(config_for(train, eval_only), tiny)
     assert bundle.stats["sources"]["held"]["used"] == 0 and len(bundle.eval_rows["held"]) == 6 == len(bundle.eval)
-    with pytest.raises(DataError, match="held: has weight > 0 but no usable training rows"):
-        build(config_for(train, DataSource(name="held", path=str(rows), weight=0.5, eval_rows=6)), tiny)
+    # eval_rows equal to a training source's rows would leave it nothing: clamped to a third, as a larger value is
+    weighted = build(config_for(train, DataSource(name="held", path=str(rows), weight=0.5, eval_rows=6)), tiny)
+    assert weighted.stats["sources"]["held"]["eval"] == 2 and weighted.stats["sources"]["held"]["usable"] == 4
 
 
 def test_overlong_truncate_and_drop(tiny, tmp_path):
@@ -843,7 +844,8 @@ def test_eval_rows_larger_than_a_source_is_clamped_or_refused(tmp_path, monkeypa
         "evaluate on it")
     held = DataSource(name="held", path="h.jsonl", weight=0.0, eval_rows=50)  # evaluation only: all of it
     assert eval_rows_for(held, 1, 7)[0] == 7 and "clamped to 7" in eval_rows_for(held, 1, 7)[1]
-    assert eval_rows_for(DataSource(name="d", path="a", eval_rows=5), 0, 5) == (5, None)  # not larger: as asked
+    assert eval_rows_for(DataSource(name="d", path="a", eval_rows=4), 0, 5) == (4, None)  # fewer: as asked
+    assert eval_rows_for(DataSource(name="d", path="a", eval_rows=5), 0, 5)[0] == 1  # all: clamped, as a larger value
 
 
 @pytest.mark.parametrize("fmt, record, hint", [

@@ -50,7 +50,8 @@ def test_a_json_array_read_in_small_blocks_equals_the_whole_read(tmp_path, small
     assert [r["row"] for r in got] == list(range(1, 10))
     assert got[3]["messages"][0]["content"] == "问题 3 \"quoted\" \\ é\n\n3"
     (tmp_path / "e.json").write_text(" [ ] \n", encoding="utf-8")
-    assert rows_of(tmp_path / "e.json") == []
+    with pytest.raises(DataError, match=r"e\.json: no rows \(an empty array\)"):
+        rows_of(tmp_path / "e.json")
     (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # a byte-order mark first
     assert [r["messages"] for r in rows_of(tmp_path / "b.json")] == [r["messages"] for r in got]
 

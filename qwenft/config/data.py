@@ -36,6 +36,10 @@ class DataSource:
     ``eval_by``: a field of the file's rows (e.g. ``fact``); when set, the ``eval_rows`` held out are
     spread over its distinct values (one row per value before a second one), instead of drawn at random.
     ``replace``: placeholder name -> text; every ``{{name}}`` in the rows' texts is replaced before use.
+    ``max_rows``: read only the first N rows that pass the read's checks, in file order: rows refused while read
+    (malformed, a missing field, ``data.on_bad_row=skip``) are not counted and the read goes on past them; rows
+    lost later, when tokenized (no supervised token, ``overlong=drop``), are counted, so fewer than N may be
+    usable; ``eval_rows`` is held out of these N.
     """
 
     name: str = "source"
@@ -59,8 +63,10 @@ class DataSource:
             _check(re.fullmatch(r"[^\W\d]\w*", str(key)) is not None and isinstance(value, str),
                    f"data.sources[{self.name}].replace.{key}", value,
                    "needs a placeholder name (letters, digits, _) and a text: replace={name: Ada} fills {{name}}")
-        for key in self.columns:
-            _check_choice(f"data.sources[{self.name}].columns.{key}", key, FORMAT_FIELDS[self.format])
+        for key in self.columns:  # keys: the format's field names; values: the file's
+            _check(key in FORMAT_FIELDS[self.format], f"data.sources[{self.name}].columns.{key}", self.columns[key],
+                   f"{key!r} is not a field of the {self.format} format; the keys allowed are its fields: "
+                   f"{', '.join(FORMAT_FIELDS[self.format])} (columns={{FIELD: the file's name for it}})")
         _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
         _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
                "must be a positive integer or null")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, List
+from typing import Any, List, Optional, Sequence
 
 from qwenft.config.base import ConfigError
 from qwenft.config.run import Config
@@ -117,6 +117,7 @@ def to_config(cfg: Any) -> Config:
     problems = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), Config, "")
     if problems:
         raise ConfigError(problems[0])
+    plain = None
     try:
         plain = escape_interpolations(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
@@ -124,7 +125,28 @@ def to_config(cfg: Any) -> Config:
     except ConfigError:
         raise
     except OmegaConfBaseException as exc:  # type errors from the structured merge
-        raise ConfigError(omegaconf_message(exc)) from None
+        raise ConfigError(source_message(plain) or omegaconf_message(exc)) from None
+
+
+def source_message(plain: Any) -> Optional[str]:
+    """The error of the first ``data.sources`` entry of ``plain`` that does not merge into :class:`DataSource`,
+    its key written in full (``data.sources.0.max_rows``: OmegaConf names a list item's key alone); else None."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from qwenft.config.data import DataSource
+
+    sources = (plain.get("data") or {}).get("sources") if isinstance(plain, dict) else None
+    for index, source in enumerate(sources if isinstance(sources, list) else []):
+        try:
+            OmegaConf.merge(OmegaConf.structured(DataSource), source)
+        except OmegaConfBaseException as exc:
+            message = omegaconf_message(exc)
+            key = getattr(exc, "full_key", None)
+            return f"data.sources.{index}.{message}" if key and message.startswith(f"{key}: ") else message
+        except ConfigError:  # a value check of DataSource itself: reported by the whole merge the same way
+            return None
+    return None
 
 
 def omegaconf_message(exc: BaseException) -> str:
@@ -146,3 +168,19 @@ def names_an_unknown_key(message: str) -> bool:
     carry other failures too ("Missing key k", "Key not found: 'k'").
     """
     return re.match(r"Key '[^']*' (is )?not in", message) is not None
+
+
+def sources_override_message(overrides: Sequence[str]) -> Optional[str]:
+    """The error of a ``data.sources=[...]`` override's entry that is not a valid source, its key in full
+    (``data.sources.0.max_rows: ...``; Hydra names a list item's key alone), else None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for item in overrides:
+        if item.partition("=")[0].lstrip("+~") != "data.sources":
+            continue
+        try:
+            value = OverridesParser.create().parse_override(item).value()
+        except Exception:  # not parsable: the compose error says so
+            return None
+        return source_message({"data": {"sources": value}})
+    return None

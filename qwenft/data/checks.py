@@ -121,7 +121,7 @@ def eval_share_warning(source: DataSource, index: int, n_rows: int) -> Optional[
     """A warning when ``source.eval_rows`` holds out more than a third of its ``n_rows`` usable rows (a training
     source only: an evaluation-only source, weight 0, is held out entirely on purpose), else None."""
     held = source.eval_rows
-    if source.weight <= 0 or not n_rows or held <= n_rows * MAX_EVAL_SHARE or held > n_rows:
+    if source.weight <= 0 or not n_rows or held <= n_rows * MAX_EVAL_SHARE or held >= n_rows:  # >=: clamped
         return None
     return (f"{source.name}: eval_rows={held} holds out {held} of its {n_rows} rows ({held / n_rows:.0%}); only "
             f"{n_rows - held} are trained on. Set data.sources.{index}.eval_rows=N for a smaller share")
@@ -130,10 +130,11 @@ def eval_share_warning(source: DataSource, index: int, n_rows: int) -> Optional[
 def eval_rows_for(source: DataSource, index: int, n_rows: int) -> Tuple[int, Optional[str]]:
     """The rows to hold out of ``source`` (``data.sources[index]``), which has ``n_rows`` usable rows.
 
-    ``eval_rows`` when the source has that many rows. When it has fewer (a recipe's default, e.g. the ``domain``
-    recipe's 50, on a small file of the user's), the run goes on with a warning naming the key: a training source
-    (weight > 0) is clamped to a third of its rows (the share :func:`eval_share_warning` allows), so most rows are
-    still trained on; an evaluation-only source (weight 0) is held out entirely. A training source with fewer than
+    ``eval_rows`` when the source has more rows (an evaluation-only source: at least that many). When a training
+    source has no more (a recipe's default, e.g. the ``domain`` recipe's 50, on a small file of the user's; equal
+    counts too, which would leave nothing to train on), the run goes on with a warning naming the key: it is
+    clamped to a third of its rows (the share :func:`eval_share_warning` allows), so most rows are still trained on;
+    an evaluation-only source (weight 0) is held out entirely. A training source with fewer than
     3 rows has no such split and is refused.
 
     Returns:
@@ -144,7 +145,7 @@ def eval_rows_for(source: DataSource, index: int, n_rows: int) -> Tuple[int, Opt
             ``data.sources.N.eval_rows`` and its largest valid value.
     """
     asked, key = source.eval_rows, f"data.sources.{index}.eval_rows"
-    if asked <= n_rows:
+    if asked < n_rows or (asked == n_rows and source.weight <= 0):
         return asked, None
     where = f"{source.name} ({source.path})"
     if source.weight <= 0:
@@ -156,5 +157,6 @@ def eval_rows_for(source: DataSource, index: int, n_rows: int) -> Tuple[int, Opt
         raise ConfigError(f"{key}={asked}: source {where} has only {n_rows} usable rows; the largest valid value is "
                           f"{largest} (at least one row must be left to train on); or set "
                           f"data.sources.{index}.weight=0 to only evaluate on it")
-    return clamped, (f"{where}: {key}={asked} is more than its {n_rows} usable rows; clamped to {clamped} (a third), "
+    more = "more than" if asked > n_rows else "all of"
+    return clamped, (f"{where}: {key}={asked} is {more} its {n_rows} usable rows; clamped to {clamped} (a third), "
                      f"leaving {n_rows - clamped} rows for training; set {key}=N (at most {n_rows - 1}) to choose")

@@ -87,9 +87,9 @@ def preview(config: Config) -> None:
     """
     from qwenft.data.pipeline import build
     from qwenft.logfilter import result_console
-    from qwenft.model import load_tokenizer, resolve_model_dir
+    from qwenft.model import load_tokenizer, tokenizer_dir
 
-    model_dir = resolve_model_dir(config.model)
+    model_dir = tokenizer_dir(config.model)  # the embedded model's tokenizer without converting its weights
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     bundle = build(config, tokenizer)
     stats = bundle.stats
@@ -135,7 +135,7 @@ def cache_command(args: Sequence[str]) -> None:
     starts with a given prefix).
 
     Raises:
-        QwenftError: any other argument.
+        QwenftError: any other argument; ``cache=clear KEY...`` matching no entry (nothing removed).
     """
     from qwenft.config import QwenftError
     from qwenft.data.store import clear, data_root, entries
@@ -145,6 +145,9 @@ def cache_command(args: Sequence[str]) -> None:
         raise QwenftError(f"data {' '.join(args)}: expected cache=list or cache=clear [KEY_PREFIX ...]")
     if action == "clear":
         removed = clear(keys)
+        if keys and not removed:
+            raise QwenftError(f"data cache=clear {' '.join(keys)}: no cache entry's key starts with "
+                              f"{' or '.join(keys)}; nothing removed (python -m qwenft data cache=list shows the keys)")
         (data_root() / ".digests.json").unlink(missing_ok=True)  # file hashes: recomputed when next needed
         print(f"removed {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} "
               f"({sum(e['bytes'] for e in removed) / 2**20:.1f} MB) from {data_root()}")

@@ -19,7 +19,7 @@ from qwenft.data.store import (ENCODED, WRITE_ROWS, build_entry, complete, data_
 from qwenft.data.render import TemplateCache
 from qwenft.data.template import cut, encode_many
 
-CACHE_VERSION = 6  # bump when the encoding or its columns change, so old cached datasets are not reused
+CACHE_VERSION = 10  # bump when the encoding or its columns change, so old cached datasets are not reused
 # Rows per map batch, and so per record batch of the shard files: fewer, larger batches mean fewer headers to read
 # when a shard is opened (64-row batches made opening 100k rows fault in a third of the file: +58 MB of RSS).
 MAP_BATCH = 1_000

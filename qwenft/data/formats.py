@@ -22,12 +22,14 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from qwenft.chat import END_OF_TEXT, IM_END, IM_START
 from qwenft.config import FORMAT_FIELDS, QwenftError
 from qwenft.config.data import format_shape
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system"}
 CHAT_ROLES = ("system", "user", "assistant")
+CHATML_SPECIALS = (IM_START, IM_END, END_OF_TEXT)  # refused inside a turn's content (:func:`check_conversation`)
 TURN_FORMATS = ("messages", "sharegpt")  # FORMAT_FIELDS[fmt][:3]: the list of turns, its role key, its content key
 REQUIRED = {fmt: (names[0], names[2]) if fmt == "alpaca" else names[:1] for fmt, names in FORMAT_FIELDS.items()}
 
@@ -157,7 +159,7 @@ def _alpaca(record: Dict[str, Any], columns: Dict[str, str]) -> List[Dict[str, s
         raise DataError("empty prompt (instruction and input are both empty)", field=label("instruction"))
     if not output:
         raise DataError("empty answer", field=label("output"))
-    messages = [{"role": "system", "content": system}] if system else []
+    messages = [{"role": "system", "content": system, "_field": label("system")}] if system else []
     for i, pair in enumerate(_list(history, label("history")) if history is not None else []):
         where = f"{label('history')}[{i}]"
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
@@ -165,8 +167,9 @@ def _alpaca(record: Dict[str, Any], columns: Dict[str, str]) -> List[Dict[str, s
         messages.append({"role": "user", "content": _string(pair[0], f"{where}[0]", True), "_field": f"{where}[0]"})
         messages.append({"role": "assistant", "content": _string(pair[1], f"{where}[1]", True),
                          "_field": f"{where}[1]"})
-    messages.append({"role": "user", "content": prompt})
-    messages.append({"role": "assistant", "content": output})
+    prompt_field = label("input") if extra and _special(extra) and not _special(instruction) else label("instruction")
+    messages.append({"role": "user", "content": prompt, "_field": prompt_field})
+    messages.append({"role": "assistant", "content": output, "_field": label("output")})
     return messages
 
 
@@ -179,7 +182,7 @@ def _turns(record: Dict[str, Any], columns: Dict[str, str], fmt: str, key: str) 
     if fmt == "sharegpt":
         system = _string(_get(record, columns, "system", False), _label(columns, "system"), False)
         if system:
-            messages.append({"role": "system", "content": system})
+            messages.append({"role": "system", "content": system, "_field": _label(columns, "system")})
     for i, turn in enumerate(turns):
         where = f"{label}[{i}]"
         if not isinstance(turn, dict):
@@ -254,8 +257,8 @@ def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
 
     Raises:
         DataError: no turns, a system turn after the first, roles that do not alternate user / assistant
-            starting with user, a conversation not ending with an assistant turn, or an empty user turn or
-            answer. The field is the turn's, when the format has one: its role field (``conversations[2].from``,
+            starting with user, a conversation not ending with an assistant turn, an empty user turn or
+            answer, or a turn holding a ChatML special token as text (naming the turn, its role and field). The field is the turn's, when the format has one: its role field (``conversations[2].from``,
             ``messages[2].role``) for a turn-order error, its content field for an empty turn.
     """
     fields = [m.get("_field") for m in messages]
@@ -275,7 +278,20 @@ def check_conversation(messages: List[Dict[str, str]]) -> List[Dict[str, str]]:
             raise DataError(what, field=fields[i])
     if len(plain) == start or plain[-1]["role"] != "assistant":
         raise DataError("the conversation must end with an assistant turn (the answer)", field=role_fields[-1])
+    for i, message in enumerate(plain):
+        special = _special(message["content"])
+        if special:
+            raise DataError(f"contains the special token {special} as text (turn {i + 1}, {message['role']}); it "
+                            "would be read as the token itself, ending or opening a turn: remove or reword it",
+                            field=fields[i])
     return plain
+
+
+def _special(text: str) -> Optional[str]:
+    """The first ChatML special token (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``) written in ``text``."""
+    if "<|" not in text:
+        return None
+    return next((special for special in CHATML_SPECIALS if special in text), None)
 
 
 def normalise(record: Any, fmt: str, columns: Dict[str, str],

@@ -59,9 +59,15 @@ def split_eval(rows: Sequence[dict], n_eval: int, seed: int, name: str,
     return held, kept
 
 
-def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Optional[str] = None) -> List[int]:
+def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Optional[str] = None, *,
+                 file: Optional[str] = None, unit: str = "row") -> List[int]:
     """The positions in ``rows`` that :func:`split_eval` holds out, ascending. ``rows`` is only iterated for
-    ``by`` (its ``meta``); otherwise only its length is used, so any sequence of rows will do (a lazy one)."""
+    ``by`` (its ``meta``); otherwise only its length is used, so any sequence of rows will do (a lazy one).
+    ``file`` and ``unit`` (``line`` or ``row``): what a row's error names (default: the source ``name``, ``row``).
+
+    Raises:
+        DataError: ``n_eval`` larger than ``rows``; a row without the ``by`` field (naming the file, its line or
+            row and the field, with the fields it has)."""
     if n_eval > len(rows):
         raise DataError(f"eval_rows={n_eval} but the source has only {len(rows)} usable rows", file=name)
     rng = random.Random(f"{seed}:{name}:eval")
@@ -73,7 +79,7 @@ def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Op
             if by not in row["meta"]:
                 raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
                                 f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",
-                                file=name, row=row["row"], field=by)
+                                file=file or name, row=row["row"], field=by, unit=unit)
             groups.setdefault(group_key(row["meta"][by]), []).append(i)
         order = list(groups.values())
         rng.shuffle(order)

@@ -100,6 +100,21 @@ def _usable(encoded, indices, dcfg: DataConfig, counts: Dict[str, Any], name: st
     return (encoded if len(rows) == len(encoded) else encoded.select(rows)), columns
 
 
+def _first_error(encoded) -> None:
+    """Raise the first row of ``encoded`` (a tokenized source, in file order) that could not be encoded, if any.
+
+    Raises:
+        DataError: that row's error (file, line or row, field).
+    """
+    import pyarrow.compute as pc
+
+    errors = encoded.with_format("arrow")["error"]
+    if len(errors):
+        first = pc.index(pc.not_equal(errors, ""), True).as_py()
+        if first >= 0:
+            raise DataError(errors[first].as_py())
+
+
 def _percentiles(values) -> Dict[str, int]:
     import numpy as np
 
@@ -169,8 +184,9 @@ def build(config: Config, tokenizer) -> DataBundle:
         tokenizer: from :func:`qwenft.model.load_tokenizer`.
 
     Returns:
-        A :class:`DataBundle`. ``stats`` holds ``sources`` (per source: rows read, skipped, eval, usable,
-        truncated, dropped, used, weight, share target and achieved), ``train_examples``, ``train_rows``
+        A :class:`DataBundle`. ``stats`` holds ``sources`` (per source: rows read, skipped, eval (rows held out),
+        usable, truncated, dropped, used, weight, share target and achieved; skipped, truncated and dropped count
+        held-out rows too), ``train_examples``, ``train_rows``
         (packed rows, or examples), ``eval_examples``, ``tokens`` (p50 / p95 / max / mean length of the
         used examples before truncation), ``truncated``, ``dropped``, ``skipped``, ``supervised_share``
         (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)),
@@ -181,7 +197,8 @@ def build(config: Config, tokenizer) -> DataBundle:
     Raises:
         ConfigError: no sources; ``eval_rows`` larger than a training source of under 3 rows (:func:`eval_rows_for`).
         DataError: bad data (see :func:`qwenft.data.read_source`), a row with no supervised token (unless
-            ``on_bad_row=skip``), a weighted source left with no rows.
+            ``on_bad_row=skip``; the first such row in the file, held out or not), a weighted source left with no
+            rows.
     """
     import datasets
     import numpy as np
@@ -204,19 +221,24 @@ def build(config: Config, tokenizer) -> DataBundle:
         n, skipped = len(data.rows), data.n_skipped
         for line in skipped_lines(src.name, data.skipped, n + skipped, skipped):  # before any other check
             log.warning("%s", line)
+        if dcfg.on_bad_row == "error":  # the first bad row in the file, held out or not
+            _first_error(data.encoded)
         n_eval, clamped = eval_rows_for(src, index, n)  # more than the source has: clamped or refused
+        if src.weight <= 0 and not src.eval_rows:
+            log.warning("%s: weight 0 and no eval_rows: neither trained nor evaluated on; set "
+                        "data.sources.%d.eval_rows=N to evaluate on it, or a weight > 0 to train on it", src.name, index)
         for warning in (clamped, data.placeholder, eval_share_warning(src, index, n)):
             if warning:
                 log.warning("%s", warning)
-        held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by), dtype=np.int64)
+        held_idx = np.asarray(eval_indices(data.rows, n_eval, dcfg.seed, src.name, src.eval_by,
+                                             file=src.path, unit=data.unit), dtype=np.int64)
         kept_idx = np.setdiff1d(np.arange(n, dtype=np.int64), held_idx, assume_unique=True)
         counts = {"path": src.path, "format": src.format, "rows_read": n + skipped,
                   "skipped": skipped, "eval": len(held_idx), "truncated": 0, "dropped": 0, "weight": src.weight}
         if len(held_idx):
             held = data.take(held_idx)
             eval_rows[src.name] = _with_ids(held, data.encoded.select(held_idx), tokenizer, dcfg.system_prompt)
-            held_out[src.name], _ = _usable(data.encoded, held_idx, dcfg,
-                                            {"skipped": 0, "truncated": 0, "dropped": 0}, src.name)
+            held_out[src.name], _ = _usable(data.encoded, np.sort(held_idx), dcfg, counts, f"{src.name} (held out)")
         if src.weight > 0:
             systems[src.name] = data.system_counts(kept_idx, dcfg.system_prompt)
             usable[src.name], columns[src.name] = _usable(data.encoded, kept_idx, dcfg, counts, src.name)

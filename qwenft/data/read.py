@@ -26,6 +26,8 @@ from qwenft.data.records import (BOM, Record, csv_records, decode_utf8, json_rec
 log = logging.getLogger(__name__)
 
 FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+_EMPTY = {".csv": "the file is empty or holds only its header line", ".jsonl": "the file is empty or all blank lines",
+          ".json": "an empty array", ".parquet": "the table has no rows"}  # what a source of no rows is, by type
 HUB_BATCH = 1_000  # rows of a Hugging Face dataset converted to Python at a time
 
 
@@ -171,7 +173,9 @@ class RowStream:
 
     Raises:
         DataError: when made, a source that cannot be read (see :func:`records`); while iterated, see
-            :func:`read_source`; at the end with ``on_bad_row=skip``, every row skipped (naming the first).
+            :func:`read_source`; at the end, a source that held no rows at all (``FILE: no rows (...)``: an empty
+            file, a CSV header line only, an empty array) or, with ``on_bad_row=skip``, every row skipped (naming
+            the first).
     """
 
     def __init__(self, source: DataSource, on_bad_row: str = "error", index: Optional[int] = None,
@@ -204,6 +208,10 @@ class RowStream:
             yield {"messages": messages, "text": text, "meta": meta, "source": source.name, "row": number}
             if limit is not None and self.n_rows >= limit:
                 break
+        if not (self.n_rows or self.n_skipped):
+            raise DataError(f"no rows ({_EMPTY.get(Path(self.file).suffix.lower(), 'the dataset is empty')}); a source "
+                            "needs at least one row: fill the file, or remove the source from data.sources",
+                            file=self.file)
         if self.n_skipped and not self.n_rows:
             raise DataError(f"all {self.n_skipped} rows were skipped as bad (first: {self.skipped[0]})",
                             file=source.name)
@@ -256,7 +264,8 @@ def read_source(source: DataSource, *, on_bad_row: str = "error",
 
     Raises:
         DataError: naming the file, the line or row and the field: a missing path, malformed JSON / JSONL, a
-            missing mapped field (with the fields the row has), a wrong type, an empty answer, non-UTF-8 bytes.
+            missing mapped field (with the fields the row has), a wrong type, an empty answer, non-UTF-8 bytes; a
+            file of no rows (naming the file).
     """
     rows, bad, _ = read_rows(source, on_bad_row)
     if skipped is not None:

@@ -10,8 +10,8 @@
 Every text is UTF-8; bytes that are not are refused naming the file, line, byte offset and column, as
 :func:`decode_utf8` says. Records come as ``(row, record or DataError)``: the 1-based line (JSON Lines, CSV) or
 element / row (JSON array, parquet) and the record, or the error of that one line (a malformed JSON line, which
-``data.on_bad_row=skip`` may skip). An error of the file as a whole (malformed JSON array, malformed CSV quoting,
-non-UTF-8 bytes outside JSON Lines) is raised.
+``data.on_bad_row=skip`` may skip; a CSV row with a misplaced quote too). An error of the file as a whole
+(malformed JSON array, a CSV quoted field never closed, non-UTF-8 bytes outside JSON Lines) is raised.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def jsonl_records(path: Path, file: str) -> Iterator[Record]:
         if not raw.strip():
             continue
         try:
-            line = decode_utf8(raw, file, offset=start, line=number)
+            line = decode_utf8(raw, file, offset=start, line=number).rstrip("\r\n")  # columns count the line only
             record = json.loads(line, parse_float=json_float)
             if not isinstance(record, dict):
                 raise DataError(f"expected a JSON object, got {describe(record)}", file=file, row=number,
@@ -121,6 +121,11 @@ def jsonl_records(path: Path, file: str) -> Iterator[Record]:
             yield number, exc
             continue
         except json.JSONDecodeError as exc:
+            if "\r" in line and exc.msg == "Extra data":  # CR-only line ends: the whole file is one line to Python
+                yield number, DataError(f"the lines end in a carriage return (\\r) only, so the file reads as one "
+                                        f"line holding {line.count(chr(13)) + 1} JSON values; re-save it with LF "
+                                        "(or CRLF) line endings", file=file, row=number, unit="line")
+                continue
             yield number, DataError(f"malformed JSON: {exc.msg} (column {exc.colno})", file=file, row=number,
                                     unit="line")
             continue
@@ -228,8 +233,8 @@ def json_records(path: Path, file: str) -> Tuple[Iterator[Record], str]:
     JSON Lines (unit ``line``).
 
     Raises:
-        DataError: not UTF-8, or the file is one object or another value than an array; malformed JSON is raised by
-            the iterator when it is reached (naming line and column).
+        DataError: not UTF-8, an empty file, or the file is one object or another value than an array; malformed
+            JSON is raised by the iterator when it is reached (naming line and column).
     """
     window = _Window(path, file)
     decoder = json.JSONDecoder(parse_float=json_float)
@@ -244,7 +249,7 @@ def json_records(path: Path, file: str) -> Tuple[Iterator[Record], str]:
                         f"{', '.join(list(value)[:8])}", file=file)
     if first != "[":
         if not first:
-            raise window.error("Expecting value", pos)
+            raise DataError("no rows (the file is empty or all whitespace)", file=file)
         value, end = window.value(decoder, pos)
         if window.skip_space(end) < len(window.text):
             raise window.error("Extra data", window.skip_space(end))
@@ -282,23 +287,61 @@ def _elements(window: _Window, decoder: json.JSONDecoder, pos: int) -> Iterator[
 def csv_records(path: Path, file: str) -> Iterator[Record]:
     """The records of a CSV file with a header line: each a ``{column: text}`` dict, its row the line it starts on.
 
+    Quoting is read strictly: a quote inside an unquoted-then-quoted field (``"a"b``) makes that row a bad row
+    (skippable). A quoted field that is never closed swallows every line after it, so nothing past its opening
+    row can be told apart: it is raised, even with ``data.on_bad_row=skip``, naming the row it opens on.
+
+    A row of more or fewer cells than the header is a bad row saying both counts.
+
     Raises (when reached):
-        DataError: malformed CSV (naming the line), or bytes that are not UTF-8.
+        DataError: a quoted field never closed (naming the line of its row and the lines it swallowed), malformed
+            CSV in the header line, a header naming a column twice, or bytes that are not UTF-8.
     """
     text = (decode_utf8(raw, file, offset=start, line=number) for number, start, raw in _lines(path, file))
-    reader = csv.DictReader(text)
+    reader = csv.DictReader(text, strict=True)
+    lines = reader.reader  # DictReader.line_num is stale after an error; the reader's own count is not
     try:
         reader.fieldnames  # reads the header line
-        line = reader.line_num
-        for record in reader:
-            start, line = line + 1, reader.line_num
-            if None in record:
-                yield start, DataError(f"has {len(record) - 1 + len(record[None])} fields, the header "
-                                       f"{len(reader.fieldnames)}", file=file, row=start, unit="line")
-                continue
-            yield start, {k: v for k, v in record.items() if v is not None}
     except csv.Error as exc:
-        raise DataError(f"malformed CSV: {exc}", file=file, row=reader.line_num, unit="line") from None
+        raise DataError(f"malformed CSV in the header line: {_csv_reason(exc)}", file=file, row=lines.line_num or 1,
+                        unit="line") from None
+    header = reader.fieldnames or []
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"the header line names {', '.join(repr(name) for name in twice)} more than once; each "
+                        "column needs its own name (a row's later cell would silently win)", file=file,
+                        row=lines.line_num, unit="line")
+    line = lines.line_num
+    while True:
+        start = line + 1
+        try:
+            record = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            if "unexpected end of data" in str(exc):
+                raise DataError(f"a quoted field of the row starting here is never closed: it runs to the end of "
+                                f"the file (line {lines.line_num}), so lines {start}-{lines.line_num} cannot be read "
+                                "as rows (data.on_bad_row=skip cannot skip them); close the quote (a \" inside a "
+                                "quoted field is written \"\")", file=file, row=start, unit="line") from None
+            line = lines.line_num
+            yield start, DataError(f"malformed CSV: {_csv_reason(exc)}", file=file, row=start, unit="line")
+            continue
+        line = lines.line_num
+        if None in record or None in record.values():  # more cells than the header names, or fewer
+            cells = len(header) + len(record.get(None, ())) - sum(v is None for k, v in record.items() if k is not None)
+            yield start, DataError(f"the row has {cells} cell{'s' * (cells != 1)} where the header has {len(header)} "
+                                   f"({', '.join(header)})", file=file, row=start, unit="line")
+            continue
+        yield start, record
+
+
+def _csv_reason(exc: Exception) -> str:
+    """The csv module's message, without its hint about opening the file (the file is read line by line)."""
+    message = str(exc)
+    if message.startswith("new-line character seen in unquoted field"):
+        return "a carriage return (\\r) inside an unquoted field: lines end in CR only; re-save with LF or CRLF"
+    return message
 
 
 def parquet_records(path: Path, file: str) -> Iterator[Record]:

@@ -30,7 +30,7 @@ from qwenft.data.checks import Placeholders
 from qwenft.data.encode import CACHE_VERSION, tokenize_into
 from qwenft.data.formats import DataError
 from qwenft.data.read import RowStream, looks_local, resolve_path
-from qwenft.data.store import WRITE_ROWS, complete, data_root, load_entry, scratch_entry
+from qwenft.data.store import WRITE_ROWS, complete, data_root, load_entry, scratch_entry, sweep
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +242,14 @@ def load_source(src: DataSource, index: int, dcfg: DataConfig, tokenizer, finger
 
     Raises:
         DataError: see :func:`qwenft.data.read_source` (with ``on_bad_row=error`` the first bad row stops the read
-            where it is; the shards finished before it stay for the next run); a cached source's first bad row.
+            where it is; the shards finished before it stay for the next run, and an entry with none is removed);
+            a cached source's first bad row.
     """
     key = source_key(src, index, dcfg, fingerprint) if dcfg.cache else None
     entry = data_root() / key if key else scratch_entry()
     if key and complete(entry):
         return _cached(entry, dcfg, hit=True)
+    sweep()  # what killed runs left: dead processes' temporary files, entries with nothing to resume
     notes: List[str] = []
     stream = RowStream(src, dcfg.on_bad_row, index, notes=notes, keep_skipped=KEEP_SKIPPED)  # a bad path: raised
     placeholders = Placeholders()

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -137,19 +138,60 @@ def build_entry(entry: Path, batches: Iterable[Sequence[dict]], map_shard: Calla
 
     Returns:
         Whether this call built the entry (False: another process completed it while this one waited).
+
+    Raises:
+        whatever ``batches`` or ``map_shard`` raise (a bad row, an interrupt); the entry is then removed when no
+        shard was finished, else kept for the next run to resume.
     """
     shards = entry / "shards"
     shards.mkdir(parents=True, exist_ok=True)
     with _locked(entry):  # another run building the same entry: wait for it, then find it complete
         if complete(entry):
             return False
-        _build(entry, shards, batches, map_shard, info, final)
+        shards.mkdir(parents=True, exist_ok=True)  # again: a failed build before this one may have removed it
+        try:
+            _build(entry, shards, batches, map_shard, info, final)
+        except BaseException:
+            if not _shards_done(entry):  # nothing to resume: no folder left behind (else kept, see the docstring)
+                shutil.rmtree(entry, ignore_errors=True)
+            raise
         return True
+
+
+def _shards_done(entry: Path) -> int:
+    return len(list((entry / "shards").glob("[0-9]*.json")))
+
+
+_TEMPORARY = re.compile(r"\.[^/]*\.(\d+)\.(tmp|input\.arrow|tmp\.arrow)")  # .NAME.<pid>.tmp and a shard's files
+
+
+def sweep() -> None:
+    """Remove what killed runs left in the cache: the temporary files of dead processes (``.rows.arrow.<pid>.tmp``,
+    a shard's ``.NNNNN.<pid>.input.arrow`` / ``.tmp.arrow``, a JSON file's ``.<name>.<pid>.tmp``), and an incomplete
+    entry with no finished shard whose builder (the pid in ``building.json``) is dead: nothing there to resume.
+    An incomplete entry with finished shards stays (the next run with its key resumes them)."""
+    root = data_root()
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir() or complete(entry):
+            continue
+        for folder in (entry, entry / "shards"):
+            for path in (folder.iterdir() if folder.is_dir() else ()):
+                match = _TEMPORARY.fullmatch(path.name)
+                if match and not _alive(int(match.group(1))):
+                    path.unlink(missing_ok=True)
+        try:
+            builder = json.loads((entry / "building.json").read_text()).get("pid")
+        except (OSError, ValueError, AttributeError):  # not begun yet, or an older qwenft's: left alone
+            continue
+        if isinstance(builder, int) and not _alive(builder) and not _shards_done(entry):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _build(entry: Path, shards: Path, batches: Iterable[Sequence[dict]], map_shard, info: Dict[str, Any],
            final: Callable[[], Dict[str, Any]]) -> None:
-    _write_json(entry / "building.json", info)  # what an incomplete entry is (cache=list)
+    _write_json(entry / "building.json", {**info, "pid": os.getpid()})  # what an incomplete entry is (cache=list)
     done = {m.name for m in shards.glob("[0-9]*.json")}
     done |= {name for m in shards.glob("[0-9]*.json") for name in json.loads(m.read_text())["files"]}
     for path in shards.iterdir():  # what a killed run left half-written (its inputs, temporary outputs)

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from qwenft.chat import END_OF_TEXT, IM_END, IM_START
-from qwenft.data.formats import DataError
+from qwenft.chat import END_OF_TEXT, IM_END
+from qwenft.data.formats import CHATML_SPECIALS, DataError
 
 IGNORE_INDEX = -100  # the label value the loss ignores (torch cross_entropy's default ignore_index)
-CHATML_SPECIALS = (IM_START, IM_END, END_OF_TEXT)  # refused inside a turn's content (see :func:`segments`)
 Segments = List[Tuple[str, bool]]  # (text, supervised) pieces of one rendered conversation
 
 

