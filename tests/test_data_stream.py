@@ -328,24 +328,3 @@ def test_a_whole_surrogate_pair_is_the_character(tmp_path):
     path = tmp_path / "ok.jsonl"
     path.write_text(WHOLE_PAIR + "\n", encoding="utf-8")
     assert rows_of(path)[0]["messages"][-1]["content"] == "smile \U0001F600"
-
-
-def test_finished_shards_hold_few_large_record_batches(tiny, tmp_path, monkeypatch):
-    """A shard's file is regrouped into GROUP_ROWS-row record batches (the map writes one per map batch): opening
-    an entry then reads few batch headers, and the rows are those of the map, in order."""
-    import pyarrow as pa
-
-    from qwenft.data import encode, store
-
-    monkeypatch.setattr(encode, "MAP_BATCH", 2)  # the map writes a record batch per 2 rows
-    monkeypatch.setattr(store, "GROUP_ROWS", 5)
-    path = tmp_path / "a.jsonl"
-    write_jsonl(path, qa_rows(12))
-    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "c"))
-    built = build(config_for(DataSource(name="x", path=str(path), eval_rows=0)), tiny)
-    (shard,) = (tmp_path / "c" / "data").glob("*/shards/*.arrow")
-    batches = list(pa.ipc.open_stream(pa.memory_map(str(shard))))
-    assert [len(b) for b in batches] == [5, 5, 2]
-    assert pa.Table.from_batches(batches).column("row").to_pylist() == list(range(1, 13))
-    monkeypatch.setattr(store, "GROUP_ROWS", 1000)  # a second build from the cache reads the same rows
-    assert build(config_for(DataSource(name="x", path=str(path), eval_rows=0)), tiny).train[:] == built.train[:]

@@ -27,7 +27,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 SHARD_ROWS = 50_000  # rows per shard: what a killed run can lose, and the unit of resume
 ENCODED = ["row", "input_ids", "labels", "length", "overflow", "supervised", "prompt_len", "error"]
 WRITE_ROWS = 10_000  # rows per batch written to a shard's input file
-GROUP_ROWS = 10_000  # rows per Arrow record batch in a finished shard file (see _regroup)
 
 
 def example_features():
@@ -236,34 +235,10 @@ def _finish_shard(shards: Path, shard: int, current: Optional[ShardInput], map_s
         names = []
         for j, cached in enumerate(mapped.cache_files):  # one file, or one per map worker, in row order
             names.append(f"{shard:05d}-{j}.arrow")
-            _regroup(Path(cached["filename"]))
             os.replace(cached["filename"], shards / names[-1])
         _write_json(shards / f"{shard:05d}.json", {"rows": len(part), "files": names})
     finally:
         current.path.unlink(missing_ok=True)
-
-
-def _regroup(path: Path) -> None:
-    """Rewrite the Arrow stream file ``path`` (a ``datasets.map`` output: one record batch per map batch of
-    1,000 rows) as record batches of :data:`GROUP_ROWS` rows, the same rows and schema (its ``datasets`` features
-    included), written beside it and renamed over it.
-
-    Why: opening a stream file (``Dataset.from_file``) reads the header of every record batch. The headers of 1,000
-    small batches are spread over a shard's whole file, so when the entry is not in the page cache the kernel's
-    read-ahead pulls in most of the file: 11 s of a cache hit on 1M rows (2.6 GB), measured cold. With 10,000-row
-    batches a shard has 5 headers. The rows are copied through memory a group at a time (about 20 MB for 10,000
-    rows of 256 tokens).
-    """
-    import pyarrow as pa
-
-    tmp = path.with_name(f"{path.name}.regroup")
-    with pa.memory_map(str(path)) as source:
-        table = pa.ipc.open_stream(source).read_all()
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-            for start in range(0, len(table), GROUP_ROWS):
-                writer.write_table(table.slice(start, GROUP_ROWS).combine_chunks())
-        del table
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
