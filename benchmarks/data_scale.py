@@ -82,7 +82,12 @@ def write_rows(path: Path, base: List[Dict[str, str]], n: int, run: str) -> int:
 
 
 def measured(command: List[str], env: Dict[str, str], cwd: Path, log: Path) -> Dict[str, Any]:
-    """Run ``command`` as a child process, its output to ``log``; returns exit status, wall seconds, peak RSS."""
+    """Run ``command`` as a child process, its output to ``log``; returns exit status, wall seconds, peak RSS.
+
+    The disk writes still pending from the arm before (gigabytes at 1M rows: the qwenft entry, the plain arm's
+    datasets cache) are flushed first (``os.sync``, not timed): otherwise their write-back competes with this arm's
+    reads (a cache hit on 1M rows measured 30-38 s right after the plain arm, 13-15 s after a flush)."""
+    os.sync()
     with log.open("w", encoding="utf-8") as out:
         start = time.perf_counter()
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
