@@ -289,7 +289,7 @@ def entries() -> List[Dict[str, Any]]:
         else:
             if (path / "building.json").is_file():
                 item.update(json.loads((path / "building.json").read_text()))
-            item["shards_done"] = len(list((path / "shards").glob("[0-9]*.json")))
+            item["shards_done"] = _shards_done(path)
         out.append(item)
     return out
 
