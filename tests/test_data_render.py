@@ -110,3 +110,40 @@ def test_the_cache_keeps_the_templates_errors(tiny):
         cache(tiny, [good[0], {"role": "assistant", "content": "a<|im_end|>"}], "assistant")
     with pytest.raises(DataError, match="no assistant turn"):
         cache(tiny, [good[0]], "assistant")
+
+
+@pytest.mark.parametrize("max_seq_len", [1, 6, 9, 14, 40, 4096])
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant", "all"])
+def test_the_maps_table_equals_encode_many_row_for_row(qwen, max_seq_len, train_on):
+    """encode_batch lays the pieces' ids end to end and masks them (no per-row lists); every column of every row
+    equals encode_many's, at lengths that cut inside the prompt, inside an answer, on the tail "\\n" and not at all,
+    for conversations, text rows and rows that fail (a special token as text; nothing supervised kept)."""
+    from qwenft.data.encode import encode_batch
+    from qwenft.data.render import TemplateCache
+
+    convs = list(conversations())[:12]
+    bad = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<|im_end|>"}]
+    messages = convs[:5] + [bad] + convs[5:] + [[], []]
+    texts = [None] * 6 + [None] * (len(convs) - 5) + ["A plain text row.", ""]
+    rows = [3 * i + 1 for i in range(len(messages))]
+    table = encode_batch({"row": rows, "messages": messages, "text": texts}, tokenizer=qwen,
+                         max_seq_len=max_seq_len, train_on=train_on, system_prompt=None, file="f.jsonl",
+                         unit="line", cutter=TemplateCache())
+    expected = encode_many(qwen, list(zip(messages, texts)), max_seq_len=max_seq_len, train_on=train_on,
+                           system_prompt=None)
+    got = table.to_pylist()
+    assert [r["row"] for r in got] == rows
+    kinds = set()
+    for row, result in zip(got, expected):
+        if isinstance(result, DataError):
+            kinds.add("error")
+            assert row["error"] == str(result.located("f.jsonl", row["row"], "line")) and row["error"]
+            assert (row["input_ids"], row["labels"], row["length"], row["supervised"]) == ([], [], 0, 0)
+        else:
+            kinds.add("cut" if result["overflow"] else "whole")
+            assert row["error"] == ""
+            assert {k: row[k] for k in ("input_ids", "labels", "overflow", "supervised", "prompt_len")} == {
+                k: result[k] for k in ("input_ids", "labels", "overflow", "supervised", "prompt_len")}
+            assert row["length"] == len(result["input_ids"])
+    assert "error" in kinds and ("cut" in kinds or max_seq_len == 4096)
+    assert table.schema.field("input_ids").type.value_type.bit_width == 32

@@ -8,6 +8,7 @@ as an argument of the map function (``fn_kwargs``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import pickle
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -17,7 +18,7 @@ from qwenft.data.formats import DataError
 from qwenft.data.store import (ENCODED, WRITE_ROWS, build_entry, complete, data_root, encoded_features, load_entry,
                                scratch_entry)
 from qwenft.data.render import TemplateCache
-from qwenft.data.template import cut, encode_many
+from qwenft.data.template import IGNORE_INDEX, _tokenize, cut, end_of_text_id, with_system
 
 CACHE_VERSION = 10  # bump when the encoding or its columns change, so old cached datasets are not reused
 # Rows per map batch, and so per record batch of the shard files: fewer, larger batches mean fewer headers to read
@@ -52,33 +53,88 @@ class _CPickled:
 
 
 def encode_batch(batch: Dict[str, list], *, tokenizer, max_seq_len: int, train_on: str,
-                 system_prompt: Optional[str], file: str, unit: str,
-                 cutter: Optional[TemplateCache] = None) -> Dict[str, list]:
-    """The ``datasets.map`` function (batched): rows ``row, messages, text`` -> token ids and labels.
+                 system_prompt: Optional[str], file: str, unit: str, cutter: Optional[TemplateCache] = None):
+    """The ``datasets.map`` function (batched): rows ``row, messages, text`` -> a ``pyarrow.Table`` of token ids
+    and labels, one row per input row, columns :data:`qwenft.data.store.ENCODED`.
 
     The tokenizer and settings come as keyword arguments (``fn_kwargs``); a module-level function, so ``num_proc``
     workers receive it by name. ``cutter``: the run's :class:`qwenft.data.render.TemplateCache` (None: the template
-    renders every row). Per row: ``input_ids``, ``labels``, ``length``, ``overflow`` (tokens cut), ``supervised``
-    (supervised tokens kept), ``prompt_len`` (see :func:`qwenft.data.template.encode_many`) and ``error`` (the
-    located DataError text, "" when none; the token columns are then empty or 0).
+    renders every row). Per row: ``input_ids``, ``labels`` (``int32 [length]`` each), ``length``, ``overflow``
+    (tokens cut), ``supervised`` (supervised tokens kept), ``prompt_len`` (see
+    :func:`qwenft.data.template.encode_many`: the same values, row for row) and ``error`` (the located DataError
+    text, "" when none; the token columns are then empty or 0).
+
+    The tokens never become per-row Python lists: the pieces' ids are laid end to end in one ``int32`` array (the
+    pieces are tokenized in row order, so that array is every row's ids before truncation), the labels and the
+    truncation are masks over it, and the columns are Arrow list arrays over those values (the per-row work is on
+    the pieces' lengths only). This is :func:`qwenft.data.template.assemble` vectorised.
     """
+    import numpy as np
+    import pyarrow as pa
+
     if isinstance(tokenizer, _CPickled):  # a shard run in this process
         tokenizer = tokenizer.obj
-    items = list(zip(batch["messages"], batch["text"]))
-    results = encode_many(tokenizer, items, max_seq_len=max_seq_len, train_on=train_on, system_prompt=system_prompt,
-                          cutter=cutter or cut)
-    out: Dict[str, list] = {name: [] for name in ENCODED if name != "row"}
-    for row, result in zip(batch["row"], results):
-        error = isinstance(result, DataError)
-        ids = [] if error else result["input_ids"]
-        out["input_ids"].append(ids)
-        out["labels"].append([] if error else result["labels"])
-        out["length"].append(len(ids))
-        out["overflow"].append(0 if error else result["overflow"])
-        out["supervised"].append(0 if error else result["supervised"])
-        out["prompt_len"].append(0 if error else result["prompt_len"])
-        out["error"].append(str(result.located(file, row, unit)) if error else "")
-    return out
+    cutter = cutter or cut
+    eos = [end_of_text_id(tokenizer)]
+    texts: List[str] = []
+    plans: List[Any] = []  # per row: a DataError, or (first text, pieces, prompt_chars, is_text)
+    for messages, text in zip(batch["messages"], batch["text"]):
+        try:
+            pieces, prompt_chars = (([(text, True)], 0) if text is not None
+                                    else cutter(tokenizer, with_system(messages or [], system_prompt), train_on))
+        except DataError as exc:
+            plans.append(exc)
+            continue
+        plans.append((len(texts), pieces, prompt_chars, text is not None))
+        texts.extend(t for t, _ in pieces)
+    ids = _tokenize(tokenizer, texts)
+    piece_lists: List[List[int]] = []  # in row order, a text row's end-of-text as a piece of its own
+    piece_flags: List[bool] = []
+    rows = len(plans)
+    length, overflow, supervised, prompt_len = ([0] * rows for _ in range(4))
+    full = [0] * rows  # tokens of each row before truncation (0 for a row with an error)
+    errors = [""] * rows
+    for r, (row, plan) in enumerate(zip(batch["row"], plans)):
+        if isinstance(plan, DataError):
+            errors[r] = str(plan.located(file, row, unit))
+            continue
+        start, pieces, prompt_chars, is_text = plan
+        lists = ids[start:start + len(pieces)] + ([eos] if is_text else [])
+        flags = [f for _, f in pieces] + ([True] if is_text else [])
+        total = kept = chars = prompt = 0
+        last = None  # where the last supervised piece ends (tokens)
+        for k, (tokens, flag) in enumerate(zip(lists, flags)):
+            n = len(tokens)
+            if flag and n:
+                last = total + n
+                kept += max(0, min(last, max_seq_len) - total)
+            if k < len(pieces) and chars < prompt_chars:  # the prompt ends on a piece boundary
+                chars, prompt = chars + len(pieces[k][0]), prompt + n
+            total += n
+        cut_tokens = max(0, total - max_seq_len)
+        if cut_tokens and last is not None and last <= max_seq_len:
+            cut_tokens = 0  # only an unsupervised tail is cut: nothing the loss sees is lost
+        if cut_tokens == 0 and kept == 0:
+            errors[r] = str(DataError("no supervised tokens").located(file, row, unit))
+            continue
+        piece_lists.extend(lists)
+        piece_flags.extend(flags)
+        full[r], length[r], overflow[r] = total, min(total, max_seq_len), cut_tokens
+        supervised[r], prompt_len[r] = kept, prompt
+    lens = np.fromiter((len(p) for p in piece_lists), dtype=np.int64, count=len(piece_lists))
+    flat = np.fromiter(itertools.chain.from_iterable(piece_lists), dtype=np.int32, count=int(lens.sum()))
+    labels = np.where(np.repeat(np.asarray(piece_flags, dtype=bool), lens), flat, np.int32(IGNORE_INDEX))
+    full_arr = np.asarray(full, dtype=np.int64)
+    starts = np.cumsum(full_arr) - full_arr
+    keep = (np.arange(flat.size, dtype=np.int64) - np.repeat(starts, full_arr)) < max_seq_len
+    offsets = pa.array(np.concatenate([[0], np.cumsum(length)]).astype(np.int32))
+    columns = {"row": pa.array(batch["row"], pa.int64()),
+               "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat[keep])),
+               "labels": pa.ListArray.from_arrays(offsets, pa.array(labels[keep])),
+               "length": pa.array(length, pa.int64()), "overflow": pa.array(overflow, pa.int64()),
+               "supervised": pa.array(supervised, pa.int64()), "prompt_len": pa.array(prompt_len, pa.int64()),
+               "error": pa.array(errors, pa.string())}
+    return pa.table([columns[name] for name in ENCODED], names=ENCODED)
 
 
 def _cache_key(rows: List[dict], fingerprint: str, dcfg: DataConfig, file: str, unit: str) -> str:
