@@ -15,6 +15,7 @@ leaves a checkpoint that ``train.resume=auto`` would pick up half-written.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -300,6 +301,12 @@ def run(config: Config) -> Path:
                    "memory": {"train": train_memory}}
         atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str))
         log.info("adapter saved to %s", adapter_dir)
+    # The Trainer, its Accelerator and the DDP wrapper go before the process group they use: freed after
+    # destroy() (when run() returned), the wrapper's teardown could wait on the destroyed group and the process
+    # hung at exit (seen once in CI on 2 gloo ranks, rank 0 idle after its report was written).
+    _release_training_state(trainer, model)
+    del trainer, state_dict
+    gc.collect()
     dist.barrier()  # the adapter and metrics exist before any rank returns
     dist.destroy()  # nothing collective follows: rank 0 evaluates alone, the others are done
     if not main:
@@ -308,19 +315,18 @@ def run(config: Config) -> Path:
         log.warning("eval.after_train is skipped with dist=%s (each rank holds part of the weights); evaluate in "
                     "one process: python -m qwenft eval adapter=%s", config.dist.name, out_dir / "adapter")
     elif config.eval.after_train:  # no autocast: the weights are cast to the compute dtype, as `qwenft eval` runs
-        _release_training_state(trainer, model)
-        del trainer
         _evaluate_after_train(config, model, tokenizer, bundle, benchmarks)
     print(f"run directory: {out_dir}")
     return out_dir
 
 
 def _release_training_state(trainer, model) -> None:
-    """Drop what only training needs before the evaluation: the optimizer states, the scheduler and the LoRA
-    gradients (referenced by the Trainer, its callback handler and the Accelerator), so the evaluation after ``train``
-    holds what a later ``qwenft eval`` holds."""
+    """Drop what only training needs, on every rank before the process group goes: the optimizer states, the
+    scheduler, the LoRA gradients and the distributed wrapper (referenced by the Trainer, its callback handler and
+    the Accelerator), so the evaluation after ``train`` holds what a later ``qwenft eval`` holds."""
     model.zero_grad(set_to_none=True)
     trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model
     trainer.optimizer = trainer.lr_scheduler = None
     handler = getattr(trainer, "callback_handler", None)
     if handler is not None:
