@@ -191,3 +191,23 @@ def test_non_local_host_without_key_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("qwenft: error: serve.host='0.0.0.0'") and "serve.api_key" in lines[0]
     assert not (tmp_path / "outputs").exists() and ROOT.is_dir()
+
+
+def test_a_model_fault_is_a_500_naming_it_and_the_server_keeps_serving(live, tiny_served):
+    """NaN logits (an fp16 overflow, here a hook): 500 with the sampler's message, JSON and mid-stream."""
+    model = tiny_served.engine.model
+    handle = model.get_output_embeddings().register_forward_hook(lambda module, args, out: out * float("nan"))
+    message = [{"role": "user", "content": "hi"}]
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            live.client().chat.completions.create(model="base", messages=message, max_tokens=3)
+        error = caught.value.body
+        assert error["code"] == "non_finite_logits" and "NaN logits at prefill (step 0)" in error["message"]
+        body = {"model": "base", "messages": message, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "non_finite_logits" and events[-1] == "[DONE]"
+    finally:
+        handle.remove()
+    ok = live.client().chat.completions.create(model="base", messages=message, max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
