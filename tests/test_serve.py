@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,6 +116,7 @@ def test_stream_ends_with_done_and_plain_newlines(live):
     ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, 400, "max_tokens"),
     ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "stop": ["", "x"]}, 400, "stop"),
     ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": "/tmp/RUN/adapter", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),  # no paths
     ([1, 2], 400, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body, status, param):
@@ -211,3 +213,55 @@ def test_a_model_fault_is_a_500_naming_it_and_the_server_keeps_serving(live, tin
         handle.remove()
     ok = live.client().chat.completions.create(model="base", messages=message, max_tokens=2)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_the_command_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    """`python -m qwenft serve serve.port=0`: the line naming the address, a request answered, then SIGTERM while
+    a long stream runs: the stream ends (finished or cancelled), the process exits 0."""
+    import os
+    import queue
+    import signal
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "qwenft", "serve", "model=tiny-random", "quant=none",
+                             "serve.port=0", "serve.shutdown_timeout_s=3"], cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: "queue.Queue[str]" = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        seen = []
+        while True:
+            line = lines.get(timeout=240)
+            seen.append(line)
+            if line.startswith("qwenft serve: http://127.0.0.1:"):
+                break
+        url = line.split()[2].rstrip("/")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3).usage.completion_tokens >= 1
+        ended = []
+
+        def long_stream():
+            body = {"model": "base", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900,
+                    "stream": True, "temperature": 1.0, "repetition_penalty": 1.0}
+            try:
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+                    ended.append([line for line in response.iter_lines() if line.startswith("data: ")])
+            except httpx.HTTPError as exc:  # the connection closed by the shutdown
+                ended.append(exc)
+
+        streamer = threading.Thread(target=long_stream)
+        streamer.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        streamer.join(60)
+        assert ended and not streamer.is_alive()
+        rest = []
+        while not lines.empty():
+            rest.append(lines.get())
+        assert "qwenft serve: stopped" in "".join(rest), "".join(seen + rest)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

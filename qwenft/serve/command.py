@@ -12,11 +12,14 @@ seconds; what still runs then is cancelled, and the batcher stops.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -97,6 +100,28 @@ def load_served(config: Config):
     return Served(engine=engine, tokenizer=tokenizer, config=config, tuned=tuned_name(config))
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that the SIGTERM / SIGINT it shut down on is not raised again afterwards (uvicorn
+        re-raises it, so the process would die of it): the command prints its last line and exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
 def serve_command(config: Config) -> None:
     """Run ``qwenft serve`` for a validated config (blocks until SIGTERM / Ctrl-C).
 
@@ -123,7 +148,7 @@ def serve_command(config: Config) -> None:
     shown = f"[{host}]" if ":" in host else host
     print(f"qwenft serve: http://{shown}:{port}/ (models: {', '.join(served.models)}; OpenAI base_url "
           f"http://{shown}:{port}/v1; metrics /metrics)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="on", access_log=False,
+    server = _server_class()(uvicorn.Config(app, log_level="info", lifespan="on", access_log=False,
                                            timeout_graceful_shutdown=config.serve.shutdown_timeout_s))
     server.run(sockets=[sock])
     print("qwenft serve: stopped", file=sys.stderr, flush=True)
