@@ -87,7 +87,7 @@ EXAMPLES: Dict[str, List[str]] = {
     "inspect": ['python -m qwenft inspect prompt="春天" inspect.layers=0,12,23'],
     "plan": ["python -m qwenft plan model=qwen2.5-7b-instruct lora.r=64 plan.gpu_gb=24"],
     "serve": ["python -m qwenft serve adapter=RUN/adapter   # then open http://127.0.0.1:8000/",
-              "python -m qwenft serve adapter=RUN/adapter serve.host=0.0.0.0 serve.api_key=SECRET"],
+              "python -m qwenft serve adapter=RUN/adapter serve.host=0.0.0.0 serve.api_key=YOUR_SECRET_KEY"],
 }
 
 

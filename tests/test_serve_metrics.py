@@ -76,6 +76,18 @@ def test_waiting_requests_join_one_batch_and_equal_their_answers_alone(live, sha
     assert metric(text, "qwenft:batch_size_count", model="base") >= 2
 
 
+def test_requests_sent_together_share_a_batch_after_the_batch_wait(sharp):
+    """serve.batch_wait_ms: the first of three requests sent at once does not start a batch of one."""
+    with LiveServer(with_serve(sharp, max_batch=4, batch_wait_ms=3000)) as server:
+        client = server.client()
+        threads = [threading.Thread(target=ask, args=(client, "base", f"q{i}", 3)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert server.scheduler.batches == [("base", 3)]
+
+
 def test_a_client_that_leaves_stops_costing_decode_steps(live):
     body = {"model": "base", "messages": [{"role": "user", "content": "tell a long story"}], "max_tokens": 1500,
             "stream": True, "temperature": 0.9, "repetition_penalty": 1.0}

@@ -28,7 +28,9 @@ class ServeConfig:
     ``host``/``port``: where it listens (port 0: a free port, printed when the server is up); a host other than the
     loopback needs ``api_key``, which every ``/v1`` and ``/metrics`` request must then send as
     ``Authorization: Bearer KEY``. ``name``: the tuned model's id in ``/v1/models`` (null: the run's name, from the
-    adapter's ``qwenft.json``, else the adapter's run directory). ``max_batch``: requests decoded together at most;
+    adapter's ``qwenft.json``, else the adapter's run directory). ``max_batch``: requests decoded together at most; ``batch_wait_ms``: when a batch
+could start with fewer, how long the batcher waits for more to arrive (clients that fire together share a batch;
+a request alone waits that long, once);
     ``max_queue``: requests waiting for a batch at most (more are answered 429). ``max_body_bytes``,
     ``max_tokens`` and ``max_prompt_tokens`` cap a request (400/413 beyond). ``decode_floor_tokens_per_s``: the
     decode speed under which the shipped Prometheus alert fires (exposed as a gauge the rule compares against).
@@ -41,6 +43,7 @@ class ServeConfig:
     api_key: Optional[str] = None
     max_batch: int = 8
     max_queue: int = 64
+    batch_wait_ms: float = 20.0
     max_body_bytes: int = 1_000_000
     max_tokens: int = 2048
     max_prompt_tokens: int = 8192
@@ -58,6 +61,7 @@ class ServeConfig:
         _check(self.name is None or (bool(self.name) and self.name != "base"), "serve.name", self.name,
                "must be a non-empty model id other than 'base' (the model without the adapter)")
         _check(1 <= self.max_batch <= 256, "serve.max_batch", self.max_batch, "must be in 1..256")
+        _check(0 <= self.batch_wait_ms <= 10_000, "serve.batch_wait_ms", self.batch_wait_ms, "must be in 0..10000 ms")
         _check(self.max_queue >= 1, "serve.max_queue", self.max_queue, "must be >= 1")
         _check(self.max_body_bytes >= 1024, "serve.max_body_bytes", self.max_body_bytes, "must be >= 1024 bytes")
         _check(self.max_tokens >= 1, "serve.max_tokens", self.max_tokens, "must be >= 1")

@@ -106,7 +106,7 @@ def create_app(served: Served):
             return samplers[side].generate(prompts, on_text=on_text, control=control, **overrides)
 
     scheduler = Scheduler(run_batch, metrics, scfg.max_batch, scfg.max_queue, per_token,
-                          lambda: peak_memory_bytes(device))
+                          lambda: peak_memory_bytes(device), scfg.batch_wait_ms / 1000)
 
     @asynccontextmanager
     async def lifespan(app):

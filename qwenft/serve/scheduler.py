@@ -1,7 +1,8 @@
 """The batcher: a bounded request queue feeding the sampler, one batch at a time, on one worker thread.
 
 The rule: when the worker starts a batch, it takes the oldest waiting request and every other waiting request that
-can share its decode steps, up to ``serve.max_batch``; a request arriving while a batch runs waits for the next one
+can share its decode steps, up to ``serve.max_batch`` (with fewer waiting, it first waits ``serve.batch_wait_ms`` for
+more: clients that send together share a batch); a request arriving while a batch runs waits for the next one
 ("continuous-ish": rows join at batch boundaries, not at every step). Requests share a batch when they are for the
 same side (``base``: the adapter disabled; ``tuned``: enabled; never mixed) and resolve to the same sampling
 parameters apart from ``max_tokens`` (the batch runs to the largest; each row stops at its own through
@@ -119,11 +120,12 @@ class Scheduler:
         max_batch: requests per batch at most; max_queue: waiting requests at most.
         kv_bytes_per_token: KV-cache bytes of one cached token (the planner's formula), for the usage gauge.
         peak_bytes: returns the process's peak memory (bytes), read after each batch.
+        batch_wait_s: when fewer than ``max_batch`` requests wait, how long to wait for more before starting.
     """
 
     def __init__(self, run_batch: Callable, metrics, max_batch: int, max_queue: int, kv_bytes_per_token: int,
-                 peak_bytes: Callable[[], int]):
-        self._run_batch, self.metrics = run_batch, metrics
+                 peak_bytes: Callable[[], int], batch_wait_s: float = 0.0):
+        self._run_batch, self.metrics, self.batch_wait_s = run_batch, metrics, batch_wait_s
         self.max_batch, self.max_queue = max_batch, max_queue
         self.kv_per_token, self._peak = kv_bytes_per_token, peak_bytes
         self._waiting: List[Job] = []
@@ -202,6 +204,10 @@ class Scheduler:
             with self._cond:
                 while not self._stopping and (self._paused or not self._waiting):
                     self._cond.wait()
+                # A batch that could start with fewer than max_batch rows waits batch_wait_s for more (once).
+                deadline = time.monotonic() + self.batch_wait_s
+                while not self._stopping and len(self._waiting) < self.max_batch and time.monotonic() < deadline:
+                    self._cond.wait(max(deadline - time.monotonic(), 0))
                 if self._stopping:
                     return
                 batch = self._take()
