@@ -265,3 +265,23 @@ def test_the_command_serves_and_stops_cleanly_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+ODD_VALUES = [None, -1, 0, 1e-300, 1e308, -1e308, 10 ** 30, -(10 ** 30), "x", "", [], {}, True, [1], "\u0000"]
+FIELDS = ["temperature", "top_p", "max_tokens", "seed", "stop", "logprobs", "top_logprobs", "stream", "n",
+          "top_k", "min_p", "repetition_penalty", "stream_options", "max_completion_tokens", "messages", "model",
+          "response_format", "tools", "frequency_penalty"]
+
+
+def test_no_value_of_any_field_gets_a_500(live):
+    """Every field set to each of a set of odd values: a 2xx or a 4xx in OpenAI's shape, never a 500."""
+    url = f"{live.url}/v1/chat/completions"
+    for name in FIELDS:
+        for value in ODD_VALUES:
+            body = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, name: value}
+            if name == "stream" and value is True:
+                body["stream"] = False  # streams are covered elsewhere; a body read here must be JSON
+            response = httpx.post(url, json=body, timeout=60)
+            assert response.status_code < 500, (name, value, response.text)
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}, (name, value)

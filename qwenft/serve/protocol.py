@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from qwenft.serve.errors import APIError
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}
+MIN_TEMPERATURE = 1e-3  # a logit of 100 divided by it stays far inside fp32 (3.4e38)
 
 
 class TextPart(BaseModel):
@@ -56,7 +57,7 @@ class ChatRequest(BaseModel):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     stop: Union[None, str, List[str]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)  # torch.Generator.manual_seed's range
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     stream: bool = False
@@ -69,7 +70,7 @@ class ChatRequest(BaseModel):
     # qwenft's sampler controls (vLLM's extra fields); top_k -1 means disabled, as in vLLM
     top_k: Optional[int] = Field(None, ge=-1)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # scores times 100 at most: finite
 
     @field_validator("stop")
     @classmethod
@@ -102,16 +103,17 @@ class ChatRequest(BaseModel):
         """The :class:`~qwenft.config.GenerateConfig` fields this request sets, for ``Sampler.params``.
 
         A field left out keeps the server's preset (``generate=...``) and then the model's generation_config,
-        exactly as ``qwenft generate`` resolves it. ``temperature`` given: 0 is greedy, above 0 samples.
+        exactly as ``qwenft generate`` resolves it. ``temperature`` given: below :data:`MIN_TEMPERATURE` (0
+        included) is greedy, above samples.
 
         Args:
             default_max_tokens: used when neither ``max_tokens`` nor ``max_completion_tokens`` is given.
             config_stops: the preset's ``stop_strings``; the request's ``stop`` adds to them.
         """
         out: Dict[str, Any] = {"max_new_tokens": self.max_tokens or self.max_completion_tokens or default_max_tokens}
-        if self.temperature is not None:
-            out["do_sample"] = self.temperature > 0
-            if self.temperature > 0:
+        if self.temperature is not None:  # below MIN_TEMPERATURE, scores / t overflow fp32: greedy is that limit
+            out["do_sample"] = self.temperature >= MIN_TEMPERATURE
+            if out["do_sample"]:
                 out["temperature"] = self.temperature
         for name in ("top_p", "min_p", "repetition_penalty", "seed"):
             if getattr(self, name) is not None:
