@@ -4,6 +4,7 @@ answers are complete, and saves a screenshot under the test's tmp dir."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -46,13 +47,16 @@ def test_page_streams_base_and_tuned_side_by_side(browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    model = served(make_adapter(tmp_path))
+    # a model id with markup in it (serve.name is free text): shown as text, never parsed as HTML
+    model = dataclasses.replace(served(make_adapter(tmp_path)), tuned='<b id="injected">run</b> & "q"')
     with LiveServer(model) as server:
         browser.get(server.url + "/")
         wait = WebDriverWait(browser, 60)
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".side")) == 2)
         sides = browser.find_elements(By.CSS_SELECTOR, ".side")
         assert [s.get_attribute("data-model") for s in sides] == model.models
+        assert browser.find_elements(By.ID, "injected") == []
+        assert sides[1].find_element(By.TAG_NAME, "h2").text == f"tuned: {model.tuned}"
         prompt = browser.find_element(By.ID, "prompt")
         prompt.clear()
         prompt.send_keys("春天来了, tell me a story")

@@ -191,8 +191,10 @@ def create_app(served: Served):
             prompt = encode_prompts(tokenizer, [chat_input({"messages": req.chat()}, True, config.data.system_prompt)])[0]
         except (QwenftError, ValueError) as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        overrides = req.sampler_overrides(min(config.generate.max_new_tokens, scfg.max_tokens),
-                                          config.generate.stop_strings)
+        # max_tokens left out: the preset's, within the cap and what the context leaves after the prompt (an
+        # answer the client never sized is not refused for its size)
+        default = min(config.generate.max_new_tokens, scfg.max_tokens, max(served.context_len - len(prompt), 1))
+        overrides = req.sampler_overrides(default, config.generate.stop_strings)
         wanted = overrides["max_new_tokens"]
         if wanted > scfg.max_tokens:
             raise APIError(400, f"max_tokens={wanted} exceeds this server's cap serve.max_tokens={scfg.max_tokens}",
@@ -213,8 +215,13 @@ def create_app(served: Served):
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        from starlette.concurrency import run_in_threadpool
+
         authorize(request)
-        req, side, prompt, overrides, params = check(await read_body(request))
+        body = await read_body(request)
+        # in a worker thread: the chat template and tokenizing a 1 MB prompt take a second, during which the event
+        # loop would send no other client's tokens
+        req, side, prompt, overrides, params = await run_in_threadpool(check, body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event: tuple) -> None:
@@ -247,7 +254,7 @@ def create_app(served: Served):
                     event = await asyncio.wait_for(events.get(), POLL_S)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        job.cancelled.set()  # the client left: its row stops costing decode steps
+                        scheduler.cancel(job)  # the client left: its row stops costing decode steps
                         return Response(status_code=499)
                     continue
                 if event[0] == "error":
@@ -261,7 +268,7 @@ def create_app(served: Served):
                                                    FINISH_REASONS[seq.stop_reason], seq.prompt_tokens,
                                                    len(seq.token_ids), logprobs))
         finally:
-            job.cancelled.set()  # a no-op once done; on cancellation the row stops
+            scheduler.cancel(job)  # a no-op once done; on cancellation the row stops
 
     def stream_response(req: ChatRequest, job: Job, events: asyncio.Queue):
         from sse_starlette import EventSourceResponse
@@ -273,7 +280,8 @@ def create_app(served: Served):
             return {"data": json.dumps(body, ensure_ascii=False)}
 
         def piece(delta: dict, tokens, finish=None) -> dict:
-            logprobs = token_logprobs(tokenizer, entries(tokens)) if job.logprobs >= 0 else None
+            # null in a chunk with no token (the role chunk, often the last), as OpenAI sends it
+            logprobs = token_logprobs(tokenizer, entries(tokens)) if job.logprobs >= 0 and tokens else None
             return data(chunk(cid, req.model, created, delta, finish, logprobs, [e for _, e, _ in tokens],
                               with_usage=include))
 
@@ -298,7 +306,7 @@ def create_app(served: Served):
                         break
                 yield {"data": "[DONE]"}
             finally:
-                job.cancelled.set()  # a no-op once done; a client that left stops its row
+                scheduler.cancel(job)  # a no-op once done; a client that left stops its row
 
         # "\n" between lines (sse-starlette's default "\r\n" broke clients: llama-cpp-python PR #1188)
         return EventSourceResponse(generate(), sep="\n")

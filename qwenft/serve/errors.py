@@ -54,7 +54,7 @@ def validation_error(errors) -> APIError:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own ValueError
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
     if first.get("type") == "missing":

@@ -22,23 +22,29 @@ FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "can
 MIN_TEMPERATURE = 1e-3  # a logit of 100 divided by it stays far inside fp32 (3.4e38)
 
 
-class TextPart(BaseModel):
-    """One part of a message's content list; only text is accepted."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
 class Message(BaseModel):
-    """A chat turn."""
+    """A chat turn. ``content`` is a string or OpenAI's list of parts, of which only ``{"type": "text", "text"}``
+    is accepted (read into one string here, so a bad part is named by its index, not by a pydantic union branch)."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: Union[str, List[TextPart]]
+    content: str
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value):
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})")
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: only {{\"type\": \"text\", \"text\": STRING}} parts are supported"
+                                 + (f" (got type {kind!r})" if isinstance(kind, str) and kind != "text" else ""))
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class StreamOptions(BaseModel):
@@ -49,7 +55,7 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     """``POST /v1/chat/completions``. ``max_tokens`` counts generated tokens (the end token included)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN / Infinity: "should be a finite number"
     model: str
     messages: List[Message] = Field(min_length=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
@@ -97,7 +103,7 @@ class ChatRequest(BaseModel):
 
     def chat(self) -> List[Dict[str, str]]:
         """The messages as the chat template takes them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.content} for m in self.messages]
 
     def sampler_overrides(self, default_max_tokens: int, config_stops: Sequence[str]) -> Dict[str, Any]:
         """The :class:`~qwenft.config.GenerateConfig` fields this request sets, for ``Sampler.params``.
