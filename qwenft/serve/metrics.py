@@ -33,7 +33,8 @@ class ServeMetrics:
     Args:
         models: the model ids served (``base`` first).
         decode_floor: the alert floor in tokens/s (``serve.decode_floor_tokens_per_s``).
-        kv_capacity_bytes: the KV-cache bytes the server is sized for (see :func:`qwenft.serve.app.kv_capacity`).
+        kv_capacity_bytes: the KV-cache bytes the server is sized for (``max_batch`` rows of ``max_prompt_tokens +
+            max_tokens`` positions, as :func:`qwenft.serve.app.create_app` computes it).
         memory_capacity_bytes: the device's memory (bytes): GPU memory on CUDA, physical RAM on a CPU.
     """
 
