@@ -173,9 +173,8 @@ def test_stream_chunks_without_a_token_carry_null_logprobs(live):
     assert sum(counted) == 3 and all(counted)
 
 
-def test_requests_a_few_milliseconds_apart_each_share_one_batch():
-    """The batch window restarts at each arrival: four requests 0.2 s apart, under a 0.5 s window, form one batch
-    though they span 0.6 s (was: the window ran from the first, so the last ones waited for a second batch)."""
+def fake_scheduler(**kwargs):
+    """A :class:`~qwenft.serve.scheduler.Scheduler` whose batches answer at once (no model), and a job maker."""
     from qwenft.generation.params import SamplingParams
     from qwenft.generation.results import GenerationOutput, GenerationStats, SequenceResult
     from qwenft.serve.metrics import ServeMetrics
@@ -188,21 +187,52 @@ def test_requests_a_few_milliseconds_apart_each_share_one_batch():
                                 decode_tokens=0, prefill_s=0.0, decode_s=0.0, kv_cache_bytes=0, steps=1)
         return GenerationOutput(sequences=sequences, stats=stats)
 
-    scheduler = Scheduler(run_batch, ServeMetrics(["base"], 1.0, 1, 1), max_batch=8, max_queue=8,
-                          kv_bytes_per_token=1, peak_bytes=lambda: 0, batch_wait_s=0.5)
-    scheduler.start()
+    scheduler = Scheduler(run_batch, ServeMetrics(["base"], 1.0, 1, 1), kv_bytes_per_token=1, peak_bytes=lambda: 0,
+                          **kwargs)
     done = []
+
+    def job():
+        return Job(side="base", model="base", prompt=[1, 2], overrides={"max_new_tokens": 1},
+                   params=SamplingParams(max_new_tokens=1), logprobs=-1, emit=done.append)
+
+    return scheduler, job, done
+
+
+def wait_for(done, count):
+    deadline = time.monotonic() + 30
+    while len(done) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_requests_a_few_milliseconds_apart_each_share_one_batch():
+    """The batch window restarts at each arrival: four requests 0.2 s apart, under a 0.5 s window, form one batch
+    though they span 0.6 s (was: the window ran from the first, so the last ones waited for a second batch)."""
+    scheduler, job, done = fake_scheduler(max_batch=8, max_queue=8, batch_wait_s=0.5)
+    scheduler.start()
     try:
-        for i in range(4):
-            scheduler.submit(Job(side="base", model="base", prompt=[1, 2], overrides={"max_new_tokens": 1},
-                                 params=SamplingParams(max_new_tokens=1), logprobs=-1, emit=done.append))
+        for _ in range(4):
+            scheduler.submit(job())
             time.sleep(0.2)
-        deadline = time.monotonic() + 30
-        while len(done) < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(done, 4)
     finally:
         scheduler.stop(5)
     assert scheduler.batches == [("base", 4)]
+
+
+def test_a_full_queue_starts_its_batch_without_waiting():
+    """max_queue below max_batch: once the queue is full no request can join, so the batch starts (was: it waited
+    out the window while every newcomer got a 429)."""
+    scheduler, job, done = fake_scheduler(max_batch=8, max_queue=2, batch_wait_s=5.0)
+    scheduler.start()
+    try:
+        start = time.monotonic()
+        scheduler.submit(job())
+        scheduler.submit(job())
+        wait_for(done, 2)
+        took = time.monotonic() - start
+    finally:
+        scheduler.stop(5)
+    assert scheduler.batches == [("base", 2)] and took < 4, took
 
 
 def test_a_request_does_not_build_the_vocabulary(live):

@@ -1,12 +1,12 @@
 """The batcher: a bounded request queue feeding the sampler, one batch at a time, on one worker thread.
 
 The rule: when the worker starts a batch, it takes the oldest waiting request and every other waiting request that
-can share its decode steps, up to ``serve.max_batch``. With fewer waiting, it first waits until no request has
-arrived for ``serve.batch_wait_ms`` (at most ``max_batch`` such windows after it saw the first): clients that send
-together share a batch even when their requests arrive a few milliseconds apart each (under load, 8 clients' requests
-spread over 100 ms, 3-25 ms apart). A request arriving while a batch runs waits for the next one ("continuous-ish":
-rows join at batch boundaries, not at every step). Requests share a batch when they are for the
-same side (``base``: the adapter disabled; ``tuned``: enabled; never mixed) and resolve to the same sampling
+can share its decode steps, up to ``serve.max_batch``. With fewer waiting (and room in the queue), it first waits
+until no request has arrived for ``serve.batch_wait_ms`` (at most ``max_batch`` such windows after it saw the
+first): clients that send together share a batch even when their requests arrive a few milliseconds apart (under
+load, 8 clients' requests spread over 100 ms, 3-25 ms apart). A request arriving while a batch runs waits for the
+next one ("continuous-ish": rows join at batch boundaries, not at every step). Requests share a batch when they are
+for the same side (``base``: the adapter disabled; ``tuned``: enabled; never mixed) and resolve to the same sampling
 parameters apart from ``max_tokens`` (the batch runs to the largest; each row stops at its own through
 :class:`~qwenft.generation.results.RowControl`). A sampled request with a ``seed`` runs alone, so that its seed
 reproduces its answer. The queue holds at most ``serve.max_queue`` waiting requests; one more is refused
@@ -228,8 +228,9 @@ class Scheduler:
                     self._cond.wait()
                 # A batch that could start with fewer than max_batch rows waits until batch_wait_s passed without
                 # an arrival, and at most max_batch such windows (requests queued during the last batch: none).
+                # A full queue starts too: no more requests can come (a max_queue below max_batch).
                 last = time.monotonic() + self.batch_wait_s * self.max_batch
-                while not self._stopping and len(self._waiting) < self.max_batch:
+                while not self._stopping and len(self._waiting) < min(self.max_batch, self.max_queue):
                     now = time.monotonic()
                     deadline = min(self._arrived + self.batch_wait_s, last)
                     if now >= deadline:
