@@ -42,6 +42,8 @@ COMMAND_TABLE: Dict[str, Tuple[str, str]] = {
     "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)",
                 "qwenft.trace:inspect_command"),
     "plan": ("memory and parameter plan from the config, before any download", "qwenft.plan:plan_command"),
+    "serve": ("serve base and tuned behind an OpenAI-compatible API, /metrics and a side-by-side page",
+              "qwenft.serve.command:serve_command"),
     # no Hydra config: `qwenft recipes [cp NAME DEST [--force]]`, run with its own arguments
     "recipes": ("list the built-in recipes; `recipes cp NAME DIR` copies one to edit",
                 "qwenft.recipes:recipes_command"),

@@ -65,6 +65,13 @@ COMMAND_KEYS: Dict[str, List[Tuple[str, str]]] = {
              ("train.gradient_checkpointing", "recompute activations in the backward pass"),
              ("plan.gpu_gb", "the device's memory in GiB"), ("plan.device", "cuda or cpu"),
              ("plan.out", "a JSON file for the whole plan")],
+    "serve": [_ADAPTER, *_MODEL, ("serve.host", "the interface (127.0.0.1; any other needs serve.api_key)"),
+              ("serve.port", "the port (0: a free one, printed)"), ("serve.name", "the tuned model's id (null: the run's)"),
+              ("serve.api_key", "clients send Authorization: Bearer KEY"),
+              ("serve.max_batch", "requests decoded together at most"),
+              ("serve.max_queue", "requests waiting at most (more get 429)"),
+              ("serve.max_tokens", "max_tokens of a request at most"),
+              ("generate", "the default sampling preset of a request")],
 }
 
 EXAMPLES: Dict[str, List[str]] = {
@@ -79,6 +86,8 @@ EXAMPLES: Dict[str, List[str]] = {
              "python -m qwenft data cache=list       # the tokenized-data cache; cache=clear removes it"],
     "inspect": ['python -m qwenft inspect prompt="春天" inspect.layers=0,12,23'],
     "plan": ["python -m qwenft plan model=qwen2.5-7b-instruct lora.r=64 plan.gpu_gb=24"],
+    "serve": ["python -m qwenft serve adapter=RUN/adapter   # then open http://127.0.0.1:8000/",
+              "python -m qwenft serve adapter=RUN/adapter serve.host=0.0.0.0 serve.api_key=YOUR_SECRET_KEY"],
 }
 
 

@@ -259,3 +259,21 @@ def test_cpu_suite_quick_mode(tmp_path):
         assert Path(entry["json"]).parent == tmp_path.resolve()
         json.loads(Path(entry["json"]).read_text())
     assert set(entries["sampler"]["ratios"]) == {"bf16_batch1", "bf16_batch8", "nf4_batch1", "nf4_batch8"}
+
+
+def test_serve_benchmark_on_tiny_random(tmp_path):
+    """benchmarks/serve.py --model tiny-random: a live server driven by 1 and 3 streaming clients; no failed request,
+    the batched greedy answers equal the sequential ones (counted, not assumed), the server stopped with exit 0."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    proc = subprocess.run([sys.executable, "benchmarks/serve.py", "--model", "tiny-random", "--clients", "1,3",
+                           "--prompts", "3", "--max-tokens", "4", "--rounds", "1", "--out", str(tmp_path)], cwd=ROOT,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "serve_tiny-random.json").read_text())
+    assert result["server_exit_code"] == 0 and set(result["summary"]) == {"1", "3"}
+    for summary in result["summary"].values():
+        assert summary["failed"] == 0 and summary["requests"] == 3
+        assert 0 <= summary["equal_to_sequential"] <= 3 and _positive(summary["tokens_per_s"])
+        assert summary["ttft_p50_s"] <= summary["ttft_p95_s"]
+    assert result["summary"]["1"]["ratio_to_baseline"] == 1.0

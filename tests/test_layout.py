@@ -13,7 +13,7 @@ PACKAGE = ROOT / "qwenft"
 MAX_LINES = 400
 # The lower rooms, which no command room may be imported by: each may import only rooms listed after it here.
 LOWER = ["model", "data", "kernels", "chat", "runtime", "runlock", "files", "logfilter", "resources", "config"]
-COMMANDS = ["train", "evaluate", "generation", "export", "plan", "trace", "recipes"]
+COMMANDS = ["train", "evaluate", "generation", "export", "plan", "trace", "recipes", "serve"]
 
 
 def module_name(path: Path) -> str:

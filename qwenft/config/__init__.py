@@ -10,6 +10,7 @@ only hold what makes a preset different.
 
 Modules: :mod:`~qwenft.config.base` (errors, checks), :mod:`~qwenft.config.model` (model, quant, lora),
 :mod:`~qwenft.config.data` (data), :mod:`~qwenft.config.run` (train ... dist, :class:`Config`),
+:mod:`~qwenft.config.serve` (serve),
 :mod:`~qwenft.config.load` (:func:`to_config`). This room imports nothing of qwenft but itself; every other room
 may import it.
 """
@@ -18,11 +19,12 @@ from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, GatesFailed, 
 from qwenft.config.data import FORMAT_FIELDS, DataConfig, DataSource
 from qwenft.config.load import escape_interpolations, omegaconf_message, to_config, unknown_key_message
 from qwenft.config.model import ROPE_TYPES, LoraConfig, ModelConfig, QuantConfig, RopeScalingConfig, TinyModelConfig
+from qwenft.config.serve import LOCAL_HOSTS, ServeConfig, is_local_host
 from qwenft.config.run import (DIST_STRATEGIES, QUANT_STORAGE, Config, DistConfig, EvalConfig, GenerateConfig,
                                InspectConfig, MergeConfig, PlanConfig, TrainConfig, WandbConfig)
 
 __all__ = ["ALL_TARGETS", "COMMANDS", "Config", "ConfigError", "DIST_STRATEGIES", "DataConfig", "DataSource",
            "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GatesFailed", "GenerateConfig", "InspectConfig", "LoraConfig",
            "MergeConfig", "ModelConfig", "PlanConfig", "QUANT_STORAGE", "QuantConfig", "QwenftError", "ROPE_TYPES",
-           "RopeScalingConfig", "TinyModelConfig", "TrainConfig", "WandbConfig", "escape_interpolations",
+           "RopeScalingConfig", "ServeConfig", "TinyModelConfig", "LOCAL_HOSTS", "is_local_host", "TrainConfig", "WandbConfig", "escape_interpolations",
            "omegaconf_message", "to_config", "unknown_key_message"]

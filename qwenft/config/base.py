@@ -8,7 +8,7 @@ from typing import Any
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-COMMANDS = ("train", "eval", "generate", "merge", "data", "inspect", "plan")
+COMMANDS = ("train", "eval", "generate", "merge", "data", "inspect", "plan", "serve")
 
 
 class QwenftError(Exception):

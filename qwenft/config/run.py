@@ -1,5 +1,5 @@
 """Config sections of a run (``train``, ``generate``, ``eval``, ``merge``, ``inspect``, ``plan``, ``wandb``,
-``dist``) and :class:`Config`, the whole validated config."""
+``dist``; ``serve`` lives in :mod:`qwenft.config.serve`) and :class:`Config`, the whole validated config."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from qwenft.config.base import COMMANDS, _check, _check_choice
 from qwenft.config.data import DataConfig
 from qwenft.config.gates import check_gate_names, check_gate_values
 from qwenft.config.model import LoraConfig, ModelConfig, QuantConfig
+from qwenft.config.serve import ServeConfig
 
 
 @dataclass
@@ -355,6 +356,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         _check_choice("command", self.command, COMMANDS)

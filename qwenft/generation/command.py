@@ -90,8 +90,9 @@ def _check_row(row: Dict[str, Any], where: str) -> None:
         raise QwenftError(f"{where}: missing field 'prompt' (a string) or 'messages' (a list of turns)")
 
 
-def _chat_input(row: Dict[str, Any], chat: bool, system_prompt: Optional[str]):
-    """The sampler input of one row: messages (system prompt prepended if configured) or raw text."""
+def chat_input(row: Dict[str, Any], chat: bool, system_prompt: Optional[str]):
+    """The sampler input of one row: messages (system prompt prepended if configured) or raw text. ``qwenft serve``
+    builds its prompts with it too, so a request and ``qwenft generate`` see the same tokens."""
     if "messages" in row:
         messages = [dict(m) for m in row["messages"]]
     elif chat:
@@ -172,7 +173,7 @@ def generate_command(config: Config) -> None:
     device = default_device()
     model, tokenizer = load_for_inference(config, device=device)  # 4-bit as loaded: the engine decides
     system_prompt = config.data.system_prompt
-    inputs = [_chat_input(row, config.chat, system_prompt) for row in ([{"prompt": config.prompt}] if rows is None
+    inputs = [chat_input(row, config.chat, system_prompt) for row in ([{"prompt": config.prompt}] if rows is None
                                                                         else [row for _, row in rows])]
     encoded = encode_prompts(tokenizer, inputs)
     prompt_len = max(len(ids) for ids in encoded)

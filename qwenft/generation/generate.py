@@ -35,8 +35,8 @@ from qwenft.config import GenerateConfig, QwenftError
 from qwenft.generation.kv_cache import (cache_bytes, left_pad, new_cache, new_static_cache, position_ids,
                                         token_history)
 from qwenft.generation.params import SamplingParams, resolve_params
-from qwenft.generation.results import GenerationOutput, GenerationStats, SequenceResult
-from qwenft.generation.sampling import process_scores, select_tokens
+from qwenft.generation.results import GenerationOutput, GenerationStats, RowControl, SequenceResult, TextStream
+from qwenft.generation.sampling import check_finite, process_scores, raw_logprobs, select_tokens
 from qwenft.generation.text import RowText, ends_with_any
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Prompt], *, chat: bool = False, on_text: Optional[TextCallback] = None,
                  keep_logits: bool = False, cache_len: Optional[int] = None, rows: Optional[int] = None,
-                 **overrides: Any) -> GenerationOutput:
+                 control: Optional[RowControl] = None, **overrides: Any) -> GenerationOutput:
         """Generate a continuation for every prompt, as one batch.
 
         Args:
@@ -202,6 +202,8 @@ class Sampler:
                 :func:`bucket_length` of the prompt width + max_new_tokens.
             rows: pad the batch to this many rows (copies of the first prompt, finished from the start and
                 dropped from the results) so that batches of an evaluation share one shape.
+            control: per-row limits, cancellation and a per-token callback (the server's batches,
+                :class:`~qwenft.generation.results.RowControl`); None: every row runs to ``max_new_tokens``.
             **overrides: :class:`qwenft.config.GenerateConfig` fields for this call only.
 
         Returns:
@@ -209,10 +211,12 @@ class Sampler:
 
         Raises:
             QwenftError: a bad prompt; ConfigError: a bad override; ValueError: ``cache_len`` shorter than the prompt
-                width + max_new_tokens, or ``rows`` fewer than the prompts.
+                width + max_new_tokens, or ``rows`` fewer than the prompts; NonFiniteLogits: the model gave NaN or
+                inf logits (:func:`~qwenft.generation.sampling.check_finite`).
         """
         run = self._run(encode_prompts(self.tokenizer, prompts, chat), self.params(**overrides),
-                        stream=on_text is not None, keep_logits=keep_logits, cache_len=cache_len, rows=rows)
+                        stream=on_text is not None, keep_logits=keep_logits, cache_len=cache_len, rows=rows,
+                        control=control)
         while True:
             try:
                 row, delta = next(run)
@@ -228,7 +232,7 @@ class Sampler:
 
     @torch.inference_mode()
     def _run(self, prompts: List[List[int]], params: SamplingParams, stream: bool, keep_logits: bool,
-             cache_len: Optional[int] = None, rows: Optional[int] = None):
+             cache_len: Optional[int] = None, rows: Optional[int] = None, control: Optional[RowControl] = None):
         """The prefill + decode loop; yields ``(row, delta)`` text events and returns the :class:`GenerationOutput`."""
         model, device = self.model, _device(self.model)
         if getattr(model, "training", False):
@@ -285,13 +289,16 @@ class Sampler:
         steps = 0
         for step in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
+            check_finite(logits, unfinished, step, out.logits.dtype)  # fp16 overflow: an error, never token 0
             del out
             if kept is not None:
                 kept.append(logits[:real].clone())
+            raw = torch.log_softmax(logits, dim=-1) if control is not None and control.logprobs >= 0 else None
             scores = process_scores(logits, params, None if history is None else history[:, :seen], stop_index, step)
             chosen, chosen_logp, entropy = select_tokens(scores, params.greedy, generator)
             # Finished rows emit the pad token (transformers does the same; it keeps the batch rectangular).
             chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
+            top = raw_logprobs(raw, chosen, control.logprobs) if raw is not None else None
             if history is not None:
                 history[:, seen] = chosen
                 seen += 1
@@ -304,6 +311,8 @@ class Sampler:
                 tokens[row].append(token)
                 logprobs[row].append(logp_list[row])
                 entropies[row].append(ent_list[row])
+                if control is not None:
+                    control.token(row, token, ent_list[row], None if top is None else top[row])
                 stop_allowed = step >= params.min_new_tokens
                 if token in stop_ids:
                     reasons[row] = "eos"
@@ -319,6 +328,8 @@ class Sampler:
                     reasons[row] = "stop_string"
                 elif step + 1 == params.max_new_tokens:
                     reasons[row] = "length"
+                elif control is not None:
+                    reasons[row] = control.finish(row, len(tokens[row]))
             if all(r is not None for r in reasons):
                 break
             unfinished = torch.tensor([r is None for r in reasons], dtype=torch.bool, device=device)
@@ -348,33 +359,3 @@ class Sampler:
                                 generated_tokens=generated, decode_tokens=max(generated - real, 0),
                                 prefill_s=prefill_s, decode_s=decode_s, kv_cache_bytes=cache_bytes(cache), steps=steps)
         return GenerationOutput(sequences=results, stats=stats, logits=kept)
-
-
-class TextStream:
-    """Iterator over one prompt's text deltas; ``result`` (a :class:`SequenceResult`) and ``stats`` are set
-    once the iteration is over."""
-
-    def __init__(self, run):
-        self._run = run
-        self.output: Optional[GenerationOutput] = None
-
-    def __iter__(self) -> Iterator[str]:
-        while True:
-            try:
-                _, delta = next(self._run)
-            except StopIteration as done:
-                self.output = done.value
-                return
-            yield delta
-
-    @property
-    def result(self) -> SequenceResult:
-        if self.output is None:
-            raise RuntimeError("iterate the stream to the end before reading its result")
-        return self.output.sequences[0]
-
-    @property
-    def stats(self) -> GenerationStats:
-        if self.output is None:
-            raise RuntimeError("iterate the stream to the end before reading its stats")
-        return self.output.stats

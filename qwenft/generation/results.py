@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,7 +16,8 @@ class SequenceResult:
     Attributes:
         text: the generated text; without the stop token, cut before a matched stop string.
         token_ids: every generated token, the final stop token included (so ``len(token_ids) == len(logprobs)``).
-        stop_reason: ``eos`` (a stop token), ``stop_string`` (a stop string or stop sequence) or ``length``.
+        stop_reason: ``eos`` (a stop token), ``stop_string`` (a stop string or stop sequence), ``length`` or
+            ``cancelled`` (its :class:`RowControl` ended it).
         logprobs: per step, log-probability (nats) of the chosen token under the distribution it was
             chosen from (the softmax of the processed scores).
         entropies: per step, entropy (nats) of that distribution.
@@ -65,3 +66,60 @@ class GenerationOutput:
     sequences: List[SequenceResult]
     stats: GenerationStats
     logits: Optional[List[torch.Tensor]] = field(default=None, repr=False)
+
+
+class RowControl:
+    """What a caller steers per row of one sampler call (the server's batches: requests with their own
+    ``max_tokens`` share a batch, and a client that leaves stops its row). This base class changes nothing.
+
+    Attributes:
+        logprobs: -1: no raw log-probabilities; k >= 0: every token comes with its log-probability under the
+            model's raw distribution (``log_softmax`` of the fp32 logits, before any processor) and the k most
+            likely tokens' (:func:`qwenft.generation.sampling.raw_logprobs`).
+    """
+
+    logprobs: int = -1
+
+    def token(self, row: int, token: int, entropy: float,
+              logprobs: Optional[Tuple[float, Sequence[Tuple[int, float]]]]) -> None:
+        """Called once per generated token of ``row`` (stop tokens included), before its text is pushed.
+
+        Args:
+            entropy: of the distribution it was chosen from (nats).
+            logprobs: ``(its raw logprob, [(id, raw logprob)] of the k most likely)`` when ``logprobs >= 0``.
+        """
+
+    def finish(self, row: int, generated: int) -> Optional[str]:
+        """After ``row``'s ``generated``-th token (and no stop): a stop reason to end the row now (``length``,
+        ``cancelled``), or None to go on."""
+        return None
+
+
+class TextStream:
+    """Iterator over one prompt's text deltas; ``result`` (a :class:`SequenceResult`) and ``stats`` are set
+    once the iteration is over."""
+
+    def __init__(self, run):
+        self._run = run
+        self.output: Optional[GenerationOutput] = None
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:
+                _, delta = next(self._run)
+            except StopIteration as done:
+                self.output = done.value
+                return
+            yield delta
+
+    @property
+    def result(self) -> SequenceResult:
+        if self.output is None:
+            raise RuntimeError("iterate the stream to the end before reading its result")
+        return self.output.sequences[0]
+
+    @property
+    def stats(self) -> GenerationStats:
+        if self.output is None:
+            raise RuntimeError("iterate the stream to the end before reading its stats")
+        return self.output.stats

@@ -12,11 +12,63 @@ min-new-tokens, then (sampling only) temperature, top_k, top_p, min_p.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from qwenft.config import QwenftError
 from qwenft.generation.params import SamplingParams
+
+
+class NonFiniteLogits(QwenftError):
+    """The model produced NaN or inf logits: a fault of the model or its dtype (fp16 overflows on Qwen2), not of
+    the request. The CLI prints it as one line; the server answers 500 naming it."""
+
+
+def check_finite(logits: torch.Tensor, rows: torch.Tensor, step: int, dtype: torch.dtype) -> None:
+    """Refuse non-finite logits instead of sampling from them: ``argmax`` over NaN picks token 0 (the "!!!!"
+    answers of an fp16 Qwen, QwenLM/Qwen3#761), and ``softmax`` of them cannot be drawn from.
+
+    Args:
+        logits: ``[batch, vocab]`` fp32 next-token logits.
+        rows: ``[batch]`` bool, the rows still generating (a finished row's logits are not used).
+        step: the decode step (0: the logits of the prefill).
+        dtype: the dtype the model computed the logits in (named in the error).
+
+    Raises:
+        NonFiniteLogits: naming the step, the rows, the dtype and what to do.
+    """
+    bad = ~torch.isfinite(logits).all(dim=-1) & rows
+    if bool(bad.any()):
+        which = [int(i) for i in bad.nonzero().flatten().tolist()]
+        kind = "NaN" if bool(torch.isnan(logits[bad]).any()) else "inf"
+        where = "prefill (step 0)" if step == 0 else f"decode step {step}"
+        hint = ("fp16 overflows on Qwen2: run in bfloat16 or float32 (model.dtype=bfloat16, or "
+                "quant.compute_dtype=bfloat16 for NF4)") if dtype == torch.float16 else \
+            "the weights or the adapter may hold NaN/inf (check them with qwenft inspect)"
+        raise NonFiniteLogits(f"the model produced {kind} logits at {where}, row(s) {which}, computed in "
+                              f"{str(dtype).replace('torch.', '')}; refusing to sample from them: {hint}")
+
+
+def raw_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
+                 k: int) -> List[Tuple[float, Sequence[Tuple[int, float]]]]:
+    """Per row: the chosen token's log-probability and the ``k`` most likely tokens with theirs.
+
+    Args:
+        logprobs: ``[batch, vocab]`` ``log_softmax`` of the raw fp32 logits (before any processor: the model's own
+            distribution, what OpenAI's and vLLM's default ``logprobs`` report).
+        chosen: ``[batch]`` int64 chosen ids.
+        k: alternatives per row (0: none); at most the vocabulary.
+
+    Returns:
+        ``batch`` pairs ``(logprob, [(id, logprob)] * k)``, most likely first; nats.
+    """
+    picked = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+    if k <= 0:
+        return [(value, ()) for value in picked]
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    return [(value, tuple(zip(row_ids, row_values)))
+            for value, row_ids, row_values in zip(picked, ids.tolist(), values.tolist())]
 
 
 def repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
