@@ -255,3 +255,12 @@ def test_a_request_does_not_build_the_vocabulary(live):
     finally:
         del tokenizer.get_vocab
     assert response.status_code == 200, response.text
+
+
+def test_a_developer_turn_is_the_system_turn():
+    """Newer OpenAI clients send the system instructions as role "developer"; the template gets a system turn."""
+    from qwenft.serve.protocol import ChatRequest
+
+    request = ChatRequest(model="base", messages=[{"role": "developer", "content": "Be brief."},
+                                                  {"role": "user", "content": "hi"}])
+    assert request.chat() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

@@ -27,7 +27,7 @@ class Message(BaseModel):
     is accepted (read into one string here, so a bad part is named by its index, not by a pydantic union branch)."""
 
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str
 
     @field_validator("content", mode="before")
@@ -102,8 +102,9 @@ class ChatRequest(BaseModel):
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def chat(self) -> List[Dict[str, str]]:
-        """The messages as the chat template takes them."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        """The messages as the chat template takes them (a ``developer`` turn, which newer OpenAI clients send in
+        place of ``system``, is the system turn)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
 
     def sampler_overrides(self, default_max_tokens: int, config_stops: Sequence[str]) -> Dict[str, Any]:
         """The :class:`~qwenft.config.GenerateConfig` fields this request sets, for ``Sampler.params``.
