@@ -51,6 +51,7 @@ def result_console(**kwargs):
     from rich.console import Console
 
     console = Console(**kwargs)
-    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
-        console = Console(width=WIDE, **kwargs)
+    if not console.is_terminal:  # the width read here: rich reads COLUMNS from the os.environ it saw at import,
+        columns = os.environ.get("COLUMNS", "").strip()  # which a library that replaced os.environ leaves stale
+        console = Console(width=int(columns) if columns.isdigit() else WIDE, **kwargs)
     return console

@@ -371,3 +371,18 @@ def test_plan_says_its_numbers_are_per_process_and_unsharded_under_fsdp():
     assert one["dist_strategy"] == "none" and one["scope"].startswith("per process; every process holds")
     fsdp = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.device=cuda", "dist=fsdp"))["training"]
     assert fsdp["dist_strategy"] == "fsdp" and "shards the weights" in fsdp["scope"]
+
+
+def test_result_console_width_when_rich_holds_a_stale_environ(monkeypatch):
+    """rich's Console reads COLUMNS from the os.environ it saw when imported (a class attribute); after a library
+    replaced os.environ, that copy is stale. The width off a terminal comes from the current os.environ."""
+    import io
+
+    from rich.console import Console
+
+    from qwenft.logfilter import result_console
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(Console, "_environ", {"COLUMNS": "80"})  # what rich saw, not what the process has
+    monkeypatch.setenv("COLUMNS", "60")
+    assert result_console().width == 60
