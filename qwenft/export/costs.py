@@ -4,7 +4,8 @@ Every artifact is measured on the same inputs, built once from the run (:func:`q
 
 - size: the weights on disk (the safetensors files of a directory, or the GGUF file), in bytes;
 - perplexity of each group :func:`qwenft.evaluate.run.perplexity_rows` builds (the held-out answers of every source,
-  and each ``eval.ppl_sources`` text), and its ratio to the 16-bit merge's;
+  and each ``eval.ppl_sources`` text) and of all held-out answers together (:func:`with_all_answers`), and its ratio to
+  the 16-bit merge's;
 - each held-out source's primary metric (:func:`qwenft.evaluate.verdict.primary_metric`) on greedy answers: its
   mean, the rows it counts as right (:func:`~qwenft.evaluate.verdict.is_right`) and how many of the 16-bit merge's
   right rows stay right (``kept``: the facts the 16-bit merge states that survive the rounding);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,9 +130,24 @@ def _sources(config: Config, results: Dict[str, List[dict]], summaries: Dict[str
     return out
 
 
+ALL_ANSWERS = "answers:all"
+
+
+def with_all_answers(ppl: Dict[str, dict]) -> Dict[str, dict]:
+    """``ppl`` (:meth:`qwenft.evaluate.perplexity.Perplexity.as_dict` by group) plus :data:`ALL_ANSWERS`, the perplexity
+    of every source's held-out answers together (token-weighted: ``exp(sum(mean_nll * tokens) / sum(tokens))``), when
+    there are several sources."""
+    answers = [v for name, v in ppl.items() if name.startswith("answers:")]
+    if len(answers) < 2:
+        return dict(ppl)
+    tokens = sum(v["tokens"] for v in answers)
+    nll = sum(v["mean_nll"] * v["tokens"] for v in answers)
+    return {**ppl, ALL_ANSWERS: {"perplexity": math.exp(nll / tokens), "mean_nll": nll / tokens, "tokens": tokens}}
+
+
 def _finish(entry: dict, ppl: Dict[str, dict], reference: Optional[dict]) -> dict:
     entry["perplexity"] = {}
-    for name, value in ppl.items():
+    for name, value in with_all_answers(ppl).items():
         ratio = value["perplexity"] / reference["perplexity"][name]["perplexity"] if reference else 1.0
         entry["perplexity"][name] = {"perplexity": value["perplexity"], "tokens": value["tokens"], "ratio": ratio}
     return entry
@@ -196,7 +213,7 @@ def measure_gguf_file(path: Path, inputs: Inputs, reference: dict) -> dict:
             results[name].append({"text": text, "stop_reason": "eos" if stopped else "length", "tokens": len(ids),
                                   **score(text, row["messages"][-1]["content"], config.eval.metrics, row.get("meta"))})
     summaries = {name: summarise(res, config.eval.metrics) for name, res in results.items()}
-    ppl = {name: Perplexity(_exp(nll / count) if count else float("nan"), nll, count).as_dict()
+    ppl = {name: Perplexity(math.exp(nll / count) if count else float("nan"), nll, count).as_dict()
            for name, (nll, count) in got["ppl"].items()}
     entry = {"backend": "llama.cpp", "bytes": weights_bytes(path),
              "agreement": _agreement(got["forced_argmax"], reference["argmax"]),
@@ -204,12 +221,6 @@ def measure_gguf_file(path: Path, inputs: Inputs, reference: dict) -> dict:
              "decode_tokens_per_s": got["decode_tokens_per_s"], "seconds": time.perf_counter() - start,
              "llama_report": got}
     return _finish(entry, ppl, reference)
-
-
-def _exp(x: float) -> float:
-    import math
-
-    return math.exp(x)
 
 
 def _max_new_tokens(config: Config) -> int:
