@@ -249,8 +249,8 @@ def quantized_section(record: dict, out: Path) -> str:
 
     lines = [QUANTIZED_HEADING, "",
              "Made from this merge by `python -m qwenft merge ... merge.quantize=[...]` and measured against the "
-             "16-bit merge on the training run's held-out data (greedy answers; agreement: the share of answer positions, "
-             "along the 16-bit merge's greedy answers, where the artifact's argmax is the same):", ""]
+             "16-bit merge on the training run's held-out data (greedy answers; agreement: the share of answer "
+             "positions, along the 16-bit merge's greedy answers, where the artifact's argmax is the same):", ""]
     for method, entry in (record.get("quantized") or {}).items():
         settings = ", ".join(f"{k}={v}" for k, v in entry["settings"].items())
         if entry.get("tensor_types"):

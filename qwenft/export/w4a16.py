@@ -12,12 +12,11 @@ The recipe, written once here (:data:`RECIPES`), follows llm-compressor's W4A16 
   channel a scale ``s = s_x^a * s_w^-(1-a)`` chosen on a grid of ``a`` values by the layer's output error on the
   calibration activations, folded into the previous norm / projection), with duo scaling (activations and weights).
   The grid search runs the parent module (attention, MLP) over every calibration row once per grid point, so its cost
-  grows with :data:`AWQ_GRID` x calibration tokens: llm-compressor's default 20 points cost 105 s per decoder layer of
-  the quickstart model (60 rows, 2 shared cores: 45 minutes for 24 layers); :data:`AWQ_GRID` = 10 halves that (the
-  scale's exponent ``a`` in steps of 0.1 instead of 0.05; README "Quantize" has the measured time and cost). Symmetric, as GPTQ, not the ``W4A16_ASYM`` of llm-compressor's AWQ
-  examples: transformers 5.24 cannot load the asymmetric checkpoint (its packed zero points, ``[out/8, groups]`` int32,
-  do not match the ``[out, groups]`` parameter transformers creates: "size mismatch"), so its cost could not be
-  measured here.
+  grows with :data:`AWQ_GRID` x calibration tokens; :data:`AWQ_GRID` = 10 (the scale's exponent ``a`` in steps of
+  0.1 instead of the default 20 points' 0.05) halves the search (README "Quantize" has the measured times and
+  costs). Symmetric, as GPTQ, not the ``W4A16_ASYM`` of llm-compressor's AWQ examples: transformers 5.24 cannot load
+  the asymmetric checkpoint (its packed zero points, ``[out/8, groups]`` int32, do not match the ``[out, groups]``
+  parameter transformers creates: "size mismatch"), so its cost could not be measured here.
 
 Calibration rows are the run's own training examples (token ids through the chat template, exactly as trained on:
 :func:`calibration_rows`). Quantizing runs in a child interpreter (:data:`SCRIPT`) that imports only torch,
