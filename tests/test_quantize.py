@@ -216,7 +216,7 @@ def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_tiny_random_gptq_and_awq(tmp_path):
     """GPTQ and AWQ by llm-compressor on a tiny-random of width 128 (one group per row): compressed-tensors
-    directories that transformers loads, measured in the cost table."""
+    directories that transformers loads, measured in the cost table; AWQ's 8 rows go in one right-padded batch."""
     pytest.importorskip("llmcompressor")
     from qwenft.export import merge
 
@@ -237,6 +237,7 @@ def test_tiny_random_gptq_and_awq(tmp_path):
                                                                                  ["lm_head"])
         assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 128, True)
         assert entry["calibration"]["rows"] == 8 and entry["settings"]["calibration_rows"] == 8
+        assert entry["settings"].get("batch_size") == (16 if method == "awq" else None)  # AWQ batched, padding masked
         cost = record["costs"]["artifacts"][method]
         assert cost["backend"] == "transformers" and 0 < cost["bytes"] < record["costs"]["artifacts"]["16-bit"]["bytes"]
     assert f"vllm serve {out / 'w4a16-awq'}" in (out / "README.md").read_text()

@@ -9,12 +9,18 @@ The recipe, written once here (:data:`RECIPES`), follows llm-compressor's W4A16 
   error spread over the columns not yet rounded through the inverse Hessian of the layer's calibration inputs;
   llm-compressor's defaults: block 128, dampening 0.01 of the mean diagonal, static activation order).
 - ``awq``: ``AWQModifier`` then ``QuantizationModifier(scheme="W4A16")`` (Lin et al. 2023, AWQ, section 3.2: per input
-  channel a scale ``s = s_x^a * s_w^-(1-a)`` chosen on a grid of ``a`` values by the layer's output error on the
+  channel a scale ``s = s_x^a * s_w^-(1-a)`` chosen on a grid of ``a`` values by the block's output error on the
   calibration activations, folded into the previous norm / projection), with duo scaling (activations and weights).
-  The grid search runs the parent module (attention, MLP) over every calibration row once per grid point, so its cost
-  grows with :data:`AWQ_GRID` x calibration tokens; :data:`AWQ_GRID` = 10 (the scale's exponent ``a`` in steps of
-  0.1 instead of the default 20 points' 0.05) halves the search (README "Quantize" has the measured times and
-  costs). Symmetric, as GPTQ, not the ``W4A16_ASYM`` of llm-compressor's AWQ examples: transformers 5.24 cannot load
+  The grid search runs the parent block (attention, MLP, and ``down_proj`` alone for the up -> down pair) over every
+  calibration token once per grid point: on a CPU it is matmul-bound, about ``n_grid + 1`` forward passes of the
+  decoder over the calibration set (~30 MFLOP a token for the 0.5B) plus the pipeline's own two.
+  :data:`AWQ_GRID` = 6 grid points (the identity, then ``a`` = 0, 0.25, 0.5, 0.75, 1; llm-compressor's default 20
+  steps ``a`` by 1/18) and :data:`AWQ_BATCH` = 16 rows a batch make the 0.5B's AWQ fit the issue's 10 minutes on 2
+  cores at 128 rows (README "Quantize" has the measured times and costs). Batched rows are right-padded and the
+  padding carries ``loss_mask`` 0, so AWQ's activation means and its grid-search error count real tokens only
+  (``use_loss_mask``); with right padding a real token never attends to a pad, so the search sees what row-by-row
+  calibration sees. GPTQ stays at one row a batch: its Hessian has no mask, and padding would enter it.
+  Symmetric, as GPTQ, not the ``W4A16_ASYM`` of llm-compressor's AWQ examples: transformers 5.24 cannot load
   the asymmetric checkpoint (its packed zero points, ``[out/8, groups]`` int32, do not match the ``[out, groups]``
   parameter transformers creates: "size mismatch"), so its cost could not be measured here.
 
@@ -37,8 +43,10 @@ from typing import List, Optional, Tuple
 from qwenft.export.gguf_quant import QuantizeError
 
 GROUP_SIZE = 128  # input columns per scale (W4A16's group strategy)
-AWQ_GRID = 10  # grid points of AWQ's scale search (llm-compressor's default: 20; see the module docstring)
-RECIPES = {"gptq": {"scheme": "W4A16"}, "awq": {"scheme": "W4A16", "n_grid": AWQ_GRID, "duo_scaling": True}}
+AWQ_GRID = 6  # grid points of AWQ's scale search (llm-compressor's default: 20; see the module docstring)
+AWQ_BATCH = 16  # calibration rows a batch for AWQ (padding masked out; GPTQ: one row, see the module docstring)
+RECIPES = {"gptq": {"scheme": "W4A16"},
+           "awq": {"scheme": "W4A16", "n_grid": AWQ_GRID, "duo_scaling": True, "batch_size": AWQ_BATCH}}
 
 # CPU_PINNING: llm-compressor 0.14.0.1's AWQ pins every cached activation before its grid search (for faster
 # host-to-device copies), and torch refuses to pin memory without an accelerator ("Cannot access accelerator device
@@ -62,18 +70,27 @@ if not torch.accelerator.is_available():  # see CPU_PINNING
 torch.manual_seed(spec["seed"])
 model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"]))
 tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-rows = spec["rows"]
-dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
-recipe = spec["recipe"]
+rows, recipe = spec["rows"], spec["recipe"]
+ones = [[1] * len(r) for r in rows]
 quantize = dict(targets=["Linear"], scheme=recipe["scheme"], ignore=["lm_head"])
 if spec["method"] == "gptq":
-    modifiers = [GPTQModifier(**quantize)]
+    modifiers, columns, batching = [GPTQModifier(**quantize)], {"input_ids": rows, "attention_mask": ones}, {}
 else:
     modifiers = [AWQModifier(n_grid=recipe["n_grid"], duo_scaling=recipe["duo_scaling"]),
                  QuantizationModifier(**quantize)]
+    columns = {"input_ids": rows, "attention_mask": ones, "loss_mask": ones}
+    fills = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "loss_mask": 0}
+
+    def right_pad(features):  # see AWQ_BATCH: the padding is masked out of AWQ's statistics and error
+        width = max(len(f["input_ids"]) for f in features)
+        return {key: torch.tensor([list(f[key]) + [fill] * (width - len(f[key])) for f in features])
+                for key, fill in fills.items()}
+
+    batching = dict(batch_size=recipe["batch_size"], data_collator=right_pad, use_loss_mask=True)
 start = time.perf_counter()
-oneshot(model=model, tokenizer=tokenizer, dataset=dataset, recipe=modifiers, num_calibration_samples=len(rows),
-        max_seq_length=max(len(r) for r in rows), shuffle_calibration_samples=False)
+oneshot(model=model, tokenizer=tokenizer, dataset=Dataset.from_dict(columns), recipe=modifiers,
+        num_calibration_samples=len(rows), max_seq_length=max(len(r) for r in rows),
+        shuffle_calibration_samples=False, **batching)
 seconds = time.perf_counter() - start
 model.save_pretrained(spec["out"], save_compressed=True)
 tokenizer.save_pretrained(spec["out"])
