@@ -16,6 +16,7 @@ from typing import List, Tuple
 
 import pytest
 
+from qwenft.config import ConfigError
 from qwenft.hydra_app import free_form, recipe_overrides, register_resolvers, validate
 from qwenft.resources import available_recipes
 from tests.conftest import ROOT
@@ -140,7 +141,12 @@ def test_every_qwenft_command_in_the_readme_validates():
     for command, overrides, multirun in qwenft_commands(README.read_text(encoding="utf-8")):
         if any(a.startswith("+recipe=") and a.endswith(".yaml") for a in overrides):
             continue  # a recipe file written by `qwenft recipes cp` (checked above)
-        configs = validate(command, recipe_overrides(free_form(overrides)), multirun=multirun)
+        try:
+            configs = validate(command, recipe_overrides(free_form(overrides)), multirun=multirun)
+        except ConfigError as exc:  # an optional extra (gguf-check, quantize) this environment lacks
+            if "not installed" in str(exc):
+                continue
+            raise
         assert configs, (command, overrides)
         seen += 1
     assert seen >= 15

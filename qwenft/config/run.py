@@ -1,5 +1,5 @@
-"""Config sections of a run (``train``, ``generate``, ``eval``, ``merge``, ``inspect``, ``plan``, ``wandb``,
-``dist``; ``serve`` lives in :mod:`qwenft.config.serve`) and :class:`Config`, the whole validated config."""
+"""Config sections of a run (``train``, ``generate``, ``eval``, ``inspect``, ``plan``, ``wandb``, ``dist``; ``merge``
+in :mod:`qwenft.config.export`, ``serve`` in :mod:`qwenft.config.serve`) and :class:`Config`, the whole validated config."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from qwenft.config.base import COMMANDS, _check, _check_choice
 from qwenft.config.data import DataConfig
+from qwenft.config.export import MergeConfig
 from qwenft.config.gates import check_gate_names, check_gate_values
 from qwenft.config.model import LoraConfig, ModelConfig, QuantConfig
 from qwenft.config.serve import ServeConfig
@@ -183,43 +184,6 @@ class EvalConfig:
                "eval.batch_size", self.batch_size, "must be auto or an integer >= 1")
         _check(self.max_eval_prompts >= 0, "eval.max_eval_prompts", self.max_eval_prompts, "must be >= 0")
         _check(self.samples_in_report >= 0, "eval.samples_in_report", self.samples_in_report, "must be >= 0")
-
-
-@dataclass
-class MergeConfig:
-    """``qwenft merge``: how the adapter is folded into the base and exported (see :mod:`qwenft.export`).
-
-    ``dtype``: of the merged weights. ``base``: for an adapter trained on an NF4 base, ``dequantized`` merges
-    into the NF4-dequantized weights (what training saw), ``original`` into the original 16-bit weights.
-    ``overwrite``: replace a non-empty ``out``. ``gguf``: also write a llama.cpp GGUF (``f16`` or ``q8_0``).
-    ``verify_gguf``: load that GGUF in llama.cpp and compare it with the merged model
-    (:mod:`qwenft.export.llama_check`); null = when llama-cpp-python (the ``qwenft[gguf-check]`` extra) is
-    installed, true = required (refused here when it is not installed).
-    """
-
-    dtype: str = "bfloat16"
-    max_shard_size: str = "5GB"
-    overwrite: bool = False
-    base: str = "dequantized"
-    gguf: str = "none"
-    verify_gguf: Optional[bool] = None
-
-    def __post_init__(self) -> None:
-        _check_choice("merge.dtype", self.dtype, ("bfloat16", "float16", "float32"))
-        _check_choice("merge.base", self.base, ("dequantized", "original"))
-        _check_choice("merge.gguf", self.gguf, ("none", "f16", "q8_0"))
-        if self.verify_gguf:
-            import importlib.util
-
-            _check(self.gguf != "none", "merge.verify_gguf", self.verify_gguf,
-                   "it checks the GGUF file: also pass merge.gguf=f16 or merge.gguf=q8_0")
-            _check(importlib.util.find_spec("llama_cpp") is not None, "merge.verify_gguf", self.verify_gguf,
-                   "llama-cpp-python is not installed: pip install 'qwenft[gguf-check]' (builds llama.cpp, "
-                   "minutes), or pass merge.verify_gguf=null")
-        import re
-
-        _check(re.fullmatch(r"[0-9]+(KB|MB|GB|KiB|MiB|GiB)", self.max_shard_size) is not None, "merge.max_shard_size",
-               self.max_shard_size, "must be an integer and a unit: KB, MB, GB, KiB, MiB or GiB (e.g. 5GB)")
 
 
 @dataclass

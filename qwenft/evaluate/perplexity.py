@@ -106,12 +106,7 @@ def perplexity_of_ids(model, texts: Iterable[Sequence[int]], *, window: int, str
     Returns:
         :class:`Perplexity` with the summed NLL in nats and the scored token count.
     """
-    rows = []
-    for ids in texts:
-        ids = list(ids)
-        for begin, end, first in windows(len(ids), window, stride):
-            rows.append((ids[begin:end], [t >= first for t in range(begin, end)]))
-    return _score_rows(model, rows, batch_size, pad_id, progress)
+    return score_rows(model, window_rows(texts, window, stride), batch_size, pad_id, progress)
 
 
 def perplexity_of_labels(model, examples: Iterable[Tuple[Sequence[int], Sequence[int]]], *, batch_size: int,
@@ -122,9 +117,31 @@ def perplexity_of_labels(model, examples: Iterable[Tuple[Sequence[int], Sequence
         examples: ``(input_ids [seq], labels [seq])`` pairs as the data pipeline builds them (labels are the
             input ids at supervised positions, -100 elsewhere, unshifted).
     """
+    return score_rows(model, label_rows(examples), batch_size, pad_id, progress)
+
+
+Row = Tuple[List[int], List[bool]]
+
+
+def window_rows(texts: Iterable[Sequence[int]], window: int, stride: int) -> List[Row]:
+    """The scored rows of sliding-window perplexity: one ``(ids [window], scored [window])`` per window of each text
+    (:func:`windows`); ``scored[t]`` marks the tokens that window scores. What :func:`perplexity_of_ids` scores, for
+    any backend that can score a row (``qwenft merge``'s llama.cpp measurement scores the same rows)."""
+    rows = []
+    for ids in texts:
+        ids = list(ids)
+        for begin, end, first in windows(len(ids), window, stride):
+            rows.append((ids[begin:end], [t >= first for t in range(begin, end)]))
+    return rows
+
+
+def label_rows(examples: Iterable[Tuple[Sequence[int], Sequence[int]]]) -> List[Row]:
+    """The scored rows of supervised-token perplexity: ``(input_ids [seq], scored [seq])`` with ``scored[t]`` where
+    ``labels[t] != -100`` (and ``t > 0``), sorted by length so that similar lengths share a batch (less padding).
+    What :func:`perplexity_of_labels` scores."""
     rows = [(list(ids), [t > 0 and lab != -100 for t, lab in enumerate(labels)]) for ids, labels in examples]
-    rows.sort(key=lambda row: len(row[0]))  # similar lengths share a batch: less padding
-    return _score_rows(model, rows, batch_size, pad_id, progress)
+    rows.sort(key=lambda row: len(row[0]))
+    return rows
 
 
 def _maybe_tqdm(items, progress: bool, desc: str):
@@ -135,7 +152,9 @@ def _maybe_tqdm(items, progress: bool, desc: str):
     return tqdm(items, desc=desc, unit="batch", leave=False)
 
 
-def _score_rows(model, rows, batch_size: int, pad_id: int, progress: bool) -> Perplexity:
+def score_rows(model, rows: Sequence[Row], batch_size: int, pad_id: int, progress: bool = False) -> Perplexity:
+    """Perplexity of ``rows`` (:func:`window_rows` / :func:`label_rows`) under ``model``, ``batch_size`` rows a
+    forward pass, right-padded with ``pad_id``."""
     device = next(model.parameters()).device
     total_nll, total = 0.0, 0
     batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]

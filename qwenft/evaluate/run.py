@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from qwenft.config import Config, ConfigError, GenerateConfig
 from qwenft.evaluate.metrics import distinct_n, score
-from qwenft.evaluate.perplexity import perplexity_of_ids, perplexity_of_labels
+from qwenft.evaluate.perplexity import label_rows, score_rows, window_rows
 from qwenft.resources import conf_dir
 
 log = logging.getLogger(__name__)
@@ -92,31 +92,35 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, Optional[flo
     return summary
 
 
-def perplexities(model, tokenizer, config: Config, bundle, batch_size: Optional[int] = None) -> Dict[str, Dict[str, Any]]:
-    """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers (the bundle's
-    ``input_ids`` / ``labels`` of its held-out rows, as trained on: a ``text`` row counts every token), in
-    batches of ``batch_size`` windows / examples (default: ``eval.batch_size``, or 8 when it is auto)."""
-    if batch_size is None:
-        batch_size = 8 if config.eval.batch_size == "auto" else int(config.eval.batch_size)
+def perplexity_rows(tokenizer, config: Config, bundle) -> Dict[str, list]:
+    """What :func:`perplexities` scores, by name: ``text:FILE`` for each ``eval.ppl_sources`` file (its first
+    ``eval.ppl_max_tokens`` tokens in ``eval.ppl_window`` windows every ``eval.ppl_stride``,
+    :func:`~qwenft.evaluate.perplexity.window_rows`) and ``answers:SOURCE`` for each source's held-out rows (the
+    bundle's ``input_ids`` / ``labels``, as trained on: a ``text`` row counts every token,
+    :func:`~qwenft.evaluate.perplexity.label_rows`); a source whose every held-out row was skipped has none."""
     from qwenft.data import resolve_path
     from qwenft.data.read import read_text
 
-    out: Dict[str, Dict[str, Any]] = {}
+    out: Dict[str, list] = {}
     for source in config.eval.ppl_sources:
-        path = resolve_path(source)
         ids = tokenizer(read_text(source), add_special_tokens=False).input_ids  # the data files' reader: BOM removed
         ids = ids[:config.eval.ppl_max_tokens]
-        result = perplexity_of_ids(model, [ids], window=config.eval.ppl_window, stride=config.eval.ppl_stride,
-                                   batch_size=batch_size, pad_id=tokenizer.pad_token_id, progress=True)
-        out[f"text:{path.name}"] = result.as_dict()
+        out[f"text:{resolve_path(source).name}"] = window_rows([ids], config.eval.ppl_window, config.eval.ppl_stride)
     for name, rows in (bundle.eval_rows if bundle is not None else {}).items():
         examples = [(row["input_ids"], row["labels"]) for row in rows if row["input_ids"] is not None]
-        if not examples:  # every held-out row of the source was skipped as bad (data.on_bad_row=skip)
-            continue
-        result = perplexity_of_labels(model, examples, batch_size=batch_size,
-                                      pad_id=tokenizer.pad_token_id, progress=True)
-        out[f"answers:{name}"] = result.as_dict()
+        if examples:  # else every held-out row of the source was skipped as bad (data.on_bad_row=skip)
+            out[f"answers:{name}"] = label_rows(examples)
     return out
+
+
+def perplexities(model, tokenizer, config: Config, bundle, batch_size: Optional[int] = None) -> Dict[str, Dict[str, Any]]:
+    """Perplexity of each ``eval.ppl_sources`` text file and of each source's held-out answers
+    (:func:`perplexity_rows`), in batches of ``batch_size`` windows / examples (default: ``eval.batch_size``, or 8
+    when it is auto)."""
+    if batch_size is None:
+        batch_size = 8 if config.eval.batch_size == "auto" else int(config.eval.batch_size)
+    return {name: score_rows(model, rows, batch_size, tokenizer.pad_token_id, progress=True).as_dict()
+            for name, rows in perplexity_rows(tokenizer, config, bundle).items()}
 
 
 def check_ppl_sources(config: Config) -> None:

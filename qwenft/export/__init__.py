@@ -1,7 +1,8 @@
 """``qwenft merge``: a standalone 16-bit Qwen2.5 model from base + adapter, verified before it is called done.
 
 ``python -m qwenft merge adapter=PATH out=DIR [merge.dtype=bfloat16] [merge.base=dequantized|original]
-[merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0] [merge.verify_gguf=null|true|false]``
+[merge.max_shard_size=5GB] [merge.overwrite=false] [merge.gguf=none|f16|q8_0] [merge.verify_gguf=null|true|false]
+[merge.quantize=[gguf-q4_k_m,gptq,...]] [merge.calibration_rows=128] [merge.calibration_seed=0]``
 
 1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.model.adapter.resolve_base` for when a
    ``model=`` override wins) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
@@ -22,9 +23,15 @@
    verified merge of the same adapter with the same settings does nothing (``qwenft_merge.json`` records it);
    ``merge.overwrite=true`` redoes it.
 
+5. ``merge.quantize=[...]``: artifacts made from the finished merge and measured against it
+   (:mod:`qwenft.export.quantize`).
+
 A command room (modules: :mod:`~qwenft.export.build`, :mod:`~qwenft.export.verify`, :mod:`~qwenft.export.gguf_file`,
-:mod:`~qwenft.export.llama_check`, :mod:`~qwenft.export.card`): it may import :mod:`qwenft.model`,
-:mod:`qwenft.chat`, :mod:`qwenft.runtime`, :mod:`qwenft.runlock`, :mod:`qwenft.files` and :mod:`qwenft.config`.
+:mod:`~qwenft.export.llama_check`, :mod:`~qwenft.export.card`, :mod:`~qwenft.export.quantize`,
+:mod:`~qwenft.export.gguf_quant`, :mod:`~qwenft.export.w4a16`, :mod:`~qwenft.export.costs`,
+:mod:`~qwenft.export.llama_eval`): it may import :mod:`qwenft.model`, :mod:`qwenft.chat`, :mod:`qwenft.runtime`,
+:mod:`qwenft.runlock`, :mod:`qwenft.files`, :mod:`qwenft.config`, and :mod:`qwenft.evaluate` and
+:mod:`qwenft.data` for the cost table (the project's own evaluation, on the run's data).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from typing import Optional
 
 from qwenft.model.adapter import check_adapter_dir, resolve_base
 from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
+from qwenft.config.export import QUANTIZE_KEYS
 from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
 from qwenft.export.card import model_card, serve_commands
@@ -66,10 +74,15 @@ __all__ = ["merge", "merge_command", "VerificationError", "MARKER"]
 def merge_command(config: Config) -> None:
     """Entry point of ``python -m qwenft merge``: exit 0 when verified, 1 when the check fails, 2 on a user
     error (raised as :class:`QwenftError` for the CLI to print)."""
+    from qwenft.export.gguf_quant import QuantizeError
+
     try:
         merge(config)
     except VerificationError as exc:
         print(f"qwenft: error: merge verification failed, nothing written: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except QuantizeError as exc:  # the merge and the artifacts finished before it stay
+        print(f"qwenft: error: merge.quantize failed: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -101,12 +114,18 @@ def _adapter_digest(adapter_dir: Path) -> str:
 
 def _request(adapter_dir: Path, model: ModelConfig, quant: QuantConfig, config: Config) -> dict:
     """What identifies a merge: the adapter's bytes, the base, how it was trained and the merge settings."""
-    settings = {k: v for k, v in dataclasses.asdict(config.merge).items() if k != "overwrite"}
+    settings = _merge_settings(config)
     # null resolved to what this run does: installing the extra later makes a re-run check the GGUF
     settings["verify_gguf"] = wanted(config.merge.gguf, config.merge.verify_gguf)
     request = {"adapter_sha256": _adapter_digest(adapter_dir), "model": dataclasses.asdict(model),
                "quant": dataclasses.asdict(quant), "merge": settings}
     return json.loads(json.dumps(request))  # the form it has when read back from the marker
+
+
+def _merge_settings(config: Config) -> dict:
+    """The merge's own settings: ``merge.*`` but ``overwrite`` and what is made from the merge (``merge.quantize``
+    and its calibration: :data:`~qwenft.config.export.QUANTIZE_KEYS`)."""
+    return {k: v for k, v in dataclasses.asdict(config.merge).items() if k != "overwrite" and k not in QUANTIZE_KEYS}
 
 
 def _already_done(out: Path, request: dict) -> bool:
@@ -199,9 +218,13 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     adapter_dir, out = _paths(config)
     model_cfg, quant_cfg, why = resolve_base(config.model, config.quant, adapter_dir)
     request = _request(adapter_dir, model_cfg, quant_cfg, config)
-    if not config.merge.overwrite and _already_done(out, request):
+    done = not config.merge.overwrite and _already_done(out, request)
+    if config.merge.quantize:  # bad requests stop here, before the merge (minutes) and before any model loads
+        _check_quantize(config, out, model_cfg, done)
+    if done:
         print(f"{out} already holds a verified merge of this adapter with these settings: nothing to do")
         _print_serving(out)
+        _quantize(config, adapter_dir, out, device)
         return out
     if out.is_dir() and any(out.iterdir()) and not config.merge.overwrite:
         raise QwenftError(f"out={config.out}: exists and is not empty; choose another out= or pass "
@@ -225,7 +248,32 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
                 os.close(owner)
     print(f"merged model written to {out}")
     _print_serving(out)
+    _quantize(config, adapter_dir, out, device)
     return out
+
+
+def _check_quantize(config: Config, out: Path, model_cfg: ModelConfig, done: bool) -> None:
+    """:func:`qwenft.export.quantize.check_request` on the finished merge, or before merging on the base's config
+    (the merge writes an f16 GGUF then: the config check requires ``merge.gguf=f16``)."""
+    from qwenft.export.quantize import check_request
+    from qwenft.model import resolve_model_dir
+
+    if done:
+        record = json.loads((out / MARKER).read_text(encoding="utf-8"))
+        check_request(config, json.loads((out / "config.json").read_text(encoding="utf-8")), record.get("gguf"))
+    else:
+        base = Path(resolve_model_dir(model_cfg)) / "config.json"
+        if base.is_file():  # a Hub id not yet downloaded: checked on the merged directory instead
+            check_request(config, json.loads(base.read_text(encoding="utf-8")), {"type": config.merge.gguf})
+
+
+def _quantize(config: Config, adapter_dir: Path, out: Path, device: Optional[str]) -> None:
+    if config.merge.quantize:
+        from qwenft.export.quantize import quantize
+        from qwenft.runtime import default_device
+
+        with _terminate_as_interrupt():
+            quantize(config, adapter_dir, out, device or default_device())
 
 
 def _print_serving(out: Path) -> None:
@@ -239,6 +287,8 @@ def _print_serving(out: Path) -> None:
         print(f"serve it with vLLM: {serve['merged']}")
     if serve.get("gguf"):
         print(f"serve the GGUF with llama.cpp: {serve['gguf']}")
+    if serve.get("ollama"):
+        print(f"or with Ollama: {serve['ollama']}")
     if serve.get("adapter"):
         print(f"or serve the adapter unmerged with vLLM: {serve['adapter']}")
     if serve.get("adapter_problem"):
@@ -249,6 +299,7 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
            quant_cfg: QuantConfig, why: str, device: str, request: dict) -> None:
     """Everything between an empty temporary directory and a verified one."""
     from qwenft.export.gguf_file import write_gguf
+    from qwenft.export.gguf_quant import write_modelfile
 
     merge_cfg = config.merge
     start = time.perf_counter()
@@ -297,8 +348,11 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     verification = {"passed": True, "merge": merged_check.as_dict(),
                     "gguf": gguf_check.as_dict() if gguf_check else None,
                     "llama_cpp": llama.as_dict() if llama else None}
-    settings = {k: v for k, v in dataclasses.asdict(merge_cfg).items() if k != "overwrite"}
+    settings = _merge_settings(config)
     meta = read_adapter_meta(adapter_dir)
+    if gguf_record is not None:  # Ollama's Modelfile beside the GGUF (its chat template, stops, sampling)
+        gguf_record["modelfile"] = write_modelfile(tmp, gguf_record["file"], (meta or {}).get("system_prompt"),
+                                                   tokenizer)
     out = tmp.parent / name  # where _commit renames tmp to: the paths the serve commands name
     serve = serve_commands(out, gguf_record, adapter_dir, base["path"],
                            (meta or {}).get("run_name") or adapter_dir.parent.name)

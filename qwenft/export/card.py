@@ -7,7 +7,7 @@ import json
 import re
 import shlex
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from qwenft.model.serving import read_adapter_config, vllm_max_lora_rank, vllm_support, vllm_warning
 
@@ -17,7 +17,8 @@ MAX_METRIC_ROWS = 40
 def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path: str,
                    lora_name: str) -> Dict[str, Optional[str]]:
     """How to serve a merge, with the paths as written: ``merged`` (``vllm serve OUT``), ``gguf`` (``llama-server -m
-    OUT/FILE.gguf``, None without a GGUF), and for the adapter itself either ``adapter`` (``vllm serve BASE
+    OUT/FILE.gguf``, None without a GGUF), ``ollama`` (``ollama create NAME -f OUT/FILE.Modelfile``, when the GGUF
+    record names its Modelfile), and for the adapter itself either ``adapter`` (``vllm serve BASE
     --enable-lora --lora-modules NAME=ADAPTER --max-lora-rank N``, N the smallest value vLLM accepts >= r) or
     ``adapter_problem`` (the line saying why vLLM cannot serve it unmerged: :func:`qwenft.model.serving.vllm_support`).
 
@@ -32,6 +33,7 @@ def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path
     commands: Dict[str, Optional[str]] = {
         "merged": f"vllm serve {quote(str(out))}",
         "gguf": f"llama-server -m {quote(str(out / gguf['file']))}" if gguf else None,
+        "ollama": _ollama_command(out, gguf["file"], gguf["modelfile"]) if gguf and gguf.get("modelfile") else None,
         "adapter": None, "adapter_problem": None}
     config = read_adapter_config(adapter_dir)
     reasons = vllm_support(config)
@@ -44,12 +46,20 @@ def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path
     return commands
 
 
+def _ollama_command(out: Path, gguf_file: str, modelfile: str) -> str:
+    """``ollama create NAME -f OUT/FILE.Modelfile``, NAME the GGUF's stem in Ollama's spelling (lower case)."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", Path(gguf_file).stem.lower()).strip("-") or "qwenft"
+    return f"ollama create {name} -f {shlex.quote(str(out / modelfile))}"
+
+
 def _serve_section(out: Path, serve: Dict[str, Optional[str]], trained_on: str) -> List[str]:
     lines = ["", "## Serve", "",
              f"`python -m qwenft merge` wrote this directory to `{out}`; the commands use that path (after moving or "
              "uploading it, put the new path or the Hub id in its place):", "", "```bash", serve["merged"]]
     if serve["gguf"]:
         lines.append(serve["gguf"])
+    if serve.get("ollama"):
+        lines.append(serve["ollama"])
     lines.append("```")
     if serve["adapter"]:
         lines += ["", "The adapter unmerged, on its base (vLLM's `--max-lora-rank` must be >= the adapter's r and one "
@@ -162,3 +172,110 @@ def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, ver
     if table:
         lines += ["", "## Evaluation (from the training run)", "", table]
     return "\n".join(lines) + "\n"
+
+
+QUANTIZED_HEADING = "## Quantized artifacts and what they cost"
+
+
+def _size(value: int) -> str:
+    return f"{value / 1e6:,.1f} MB"
+
+
+def _source_cell(entry: dict) -> str:
+    """A source's primary metric on one artifact: mean, rows right and, against the 16-bit merge, rows kept."""
+    text = f"{entry['mean']:.3f}" if isinstance(entry.get("mean"), (int, float)) else "n/a"
+    text += f"; {entry['right']}/{entry['rows']} right"
+    if "kept" in entry:
+        text += f", {entry['kept']}/{entry['of']} kept"
+    return text
+
+
+def cost_table(artifacts: Dict[str, dict], reference: str) -> str:
+    """The cost table (Markdown) of :mod:`qwenft.export.costs` entries, the 16-bit merge (``reference``) first: weights
+    on disk, perplexity ratio to the 16-bit merge per group (the 16-bit perplexity itself in its row), each source's
+    primary metric, greedy token agreement with the 16-bit merge, decode tokens/s and where it was measured."""
+    order = [reference] + [k for k in artifacts if k != reference]
+    first = artifacts[reference]
+    groups = list(first["perplexity"])
+    sources = list(first["sources"])
+    head = (["artifact", "weights"] + [f"ppl ratio {g}" for g in groups]
+            + [f"{s}: {first['sources'][s]['metric']}" for s in sources] + ["greedy agreement", "decode tok/s"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in order:
+        if label not in artifacts:
+            continue
+        entry = artifacts[label]
+        if entry.get("error"):
+            lines.append("| " + " | ".join([label, f"not measured: {entry['error']}"] + [""] * (len(head) - 2)) + " |")
+            continue
+        cells = [label, _size(entry["bytes"])]
+        for g in groups:
+            value = entry["perplexity"].get(g)
+            cells.append("n/a" if value is None else f"{value['ratio']:.3f}"
+                         + (f" (ppl {value['perplexity']:.3f})" if label == reference else ""))
+        cells += [_source_cell(entry["sources"][s]) if s in entry["sources"] else "n/a" for s in sources]
+        agreement = entry["agreement"]
+        cells.append("n/a" if agreement["share"] is None else
+                     f"{agreement['share']:.1%} ({agreement['identical']}/{agreement['compared']})")
+        speed = entry.get("decode_tokens_per_s")
+        cells.append(f"{speed:.1f} ({entry['backend']})" if speed else f"n/a ({entry['backend']})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def handoff_lines(record: dict, out: Path) -> List[Tuple[str, str]]:
+    """``(artifact, command)``: the command that serves each artifact: ``vllm serve`` for the 16-bit and
+    compressed-tensors directories, ``llama-server -m`` and ``ollama create`` (its Modelfile) for each GGUF."""
+    quote = shlex.quote
+    lines = [("16-bit", f"vllm serve {quote(str(out))}")]
+    ggufs = ([(f"gguf-{record['gguf']['type']}", record["gguf"]["file"], record["gguf"].get("modelfile"))]
+             if record.get("gguf") else [])
+    for method, entry in (record.get("quantized") or {}).items():
+        if entry.get("modelfile"):
+            ggufs.append((method, entry["path"], entry["modelfile"]))
+        else:
+            lines.append((method, f"vllm serve {quote(str(out / entry['path']))}"))
+    for label, file, modelfile in ggufs:
+        lines.append((label, f"llama-server -m {quote(str(out / file))}"))
+        if modelfile:
+            lines.append((label, _ollama_command(out, file, modelfile)))
+    return lines
+
+
+def quantized_section(record: dict, out: Path) -> str:
+    """The model card's section on ``merge.quantize``: how each artifact was made, the cost table and the commands
+    that serve each one."""
+    from qwenft.export.costs import REFERENCE
+
+    lines = [QUANTIZED_HEADING, "",
+             "Made from this merge by `python -m qwenft merge ... merge.quantize=[...]` and measured against the "
+             "16-bit merge on the training run's held-out data (greedy answers; agreement: the share of answer "
+             "positions, along the 16-bit merge's greedy answers, where the artifact's argmax is the same):", ""]
+    for method, entry in (record.get("quantized") or {}).items():
+        settings = ", ".join(f"{k}={v}" for k, v in entry["settings"].items())
+        if entry.get("tensor_types"):
+            check = entry.get("llama_cpp") or {}
+            detail = f"; tensor types {entry['tensor_types']}" + (
+                f"; llama.cpp check: {check['identical']}/{check['compared']} greedy tokens of the 16-bit merge "
+                f"({check['required']:.0%} required), chat template and EOS ids {check['chat']}" if check else "")
+        else:
+            calibration = entry.get("calibration") or {}
+            detail = (f"; calibrated on {calibration['rows']} training rows ({calibration['tokens']} tokens)"
+                      if calibration else "")
+        lines.append(f"- `{entry['path']}` ({method}: {settings}{detail}; {entry['seconds']:.0f} s)")
+    costs = (record.get("costs") or {}).get("artifacts")
+    if costs:
+        lines += ["", cost_table(costs, REFERENCE)]
+    lines += ["", "```bash", *(f"{command}   # {label}" for label, command in handoff_lines(record, out)), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(card: str, section: str) -> str:
+    """``card`` with its :data:`QUANTIZED_HEADING` section (up to the next ``## `` heading) replaced by ``section``,
+    or ``section`` appended when it has none."""
+    start = card.find(QUANTIZED_HEADING)
+    if start < 0:
+        return card.rstrip("\n") + "\n\n" + section
+    end = card.find("\n## ", start + len(QUANTIZED_HEADING))
+    rest = card[end + 1:] if end >= 0 else ""
+    return card[:start] + section + ("\n" + rest if rest else "")

@@ -1,0 +1,272 @@
+"""merge.quantize: the config and its one-line refusals, the Modelfile, the calibration rows, the cost table; GGUF
+K-quants end to end on tiny-random (llama.cpp), GPTQ/AWQ on a 128-wide tiny-random (llm-compressor, slow), and both
+on the embedded 0.5B model (slow). Tests that run llama.cpp or llm-compressor skip when it is not installed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from qwenft.config import ConfigError, QwenftError
+from tests.conftest import compose_config
+from tests.test_config import run_cli
+from tests.test_export import make_adapter, merge_config
+
+GENERATION = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+              "eos_token_id": [151645, 151643]}
+SMALL_EVAL = ("eval.max_new_tokens=8", "eval.max_eval_prompts=3")  # the adapters here have no run config.yaml
+
+
+def test_methods_are_checked_with_one_line_errors():
+    config = compose_config("merge.gguf=f16", "merge.quantize=[gguf-q4_k_m,gguf-q8_0]", command="merge")
+    assert config.merge.quantize == ["gguf-q4_k_m", "gguf-q8_0"] and config.merge.calibration_rows == 128
+    cases = [(["merge.quantize=[gguf-q3_k]"],
+              "choose one of: gguf-q8_0, gguf-q6_k, gguf-q5_k_m, gguf-q4_k_m, gptq, awq"),
+             (["merge.gguf=f16", "merge.quantize=[gguf-q6_k,gguf-q6_k]"], "names a method twice"),
+             (["merge.quantize=[gguf-q4_k_m]"], "no GGUF is written (merge.gguf=none): also pass merge.gguf=f16"),
+             (["merge.gguf=q8_0", "merge.quantize=[gguf-q5_k_m]"], "requantizing a q8_0 GGUF loses quality"),
+             (["merge.calibration_rows=0"], "merge.calibration_rows=0 is not accepted")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as error:
+            compose_config(*overrides, command="merge")
+        assert message in str(error.value) and "\n" not in str(error.value), overrides
+
+
+def test_missing_or_untested_packages_stop_before_anything_loads(monkeypatch):
+    import qwenft.config.export as export_config
+
+    versions = {"llama-cpp-python": "0.3.35", "llmcompressor": None, "compressed-tensors": "0.19.0", "loguru": "0.7.3"}
+    monkeypatch.setattr(export_config, "installed_version", versions.get)
+    with pytest.raises(ConfigError) as error:
+        compose_config("merge.gguf=f16", "merge.quantize=[gguf-q4_k_m]", command="merge")
+    assert ("llama-cpp-python==0.3.36 (installed: 0.3.35, untested): pip install 'qwenft[gguf-check]'"
+            in str(error.value))
+    with pytest.raises(ConfigError) as error:
+        compose_config("merge.quantize=[gptq,awq]", command="merge")
+    message = str(error.value)
+    assert message.startswith("merge.quantize=['gptq', 'awq'] is not accepted; needs llmcompressor==0.14.0.1 "
+                              "(not installed)") and "pip install --no-deps llmcompressor==0.14.0.1" in message
+    versions.update({"llama-cpp-python": "0.3.36", "llmcompressor": "0.14.0.1"})
+    assert compose_config("merge.gguf=f16", "merge.quantize=[gptq,gguf-q6_k]", command="merge").merge.quantize
+
+
+def test_an_unknown_method_exits_2_with_one_line(tmp_path):
+    result = run_cli("merge", f"adapter={tmp_path}", f"out={tmp_path / 'out'}", "merge.quantize=[gguf-iq2]")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "merge.quantize='gguf-iq2' is not accepted" in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_group_size_must_divide_every_width():
+    from qwenft.export.w4a16 import width_problem
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    assert "hidden_size 64, num_attention_heads x head_dim 64 is not a multiple of 128" in width_problem(tiny, "gptq")
+    qwen05 = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14}  # 7, 38 and 7 groups
+    qwen7 = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28}
+    assert width_problem(qwen05, "awq") is None and width_problem(qwen7, "gptq") is None
+
+
+def test_calibration_rows_are_distinct_seeded_and_capped():
+    from qwenft.export.w4a16 import calibration_rows
+
+    train = {"input_ids": [[1, 2], [3], [1, 2], [4, 5, 6], [7], [3]]}  # epochs repeat rows
+    rows, distinct = calibration_rows(train, 3, seed=0)
+    assert distinct == 4 and len(rows) == 3 and len({tuple(r) for r in rows}) == 3
+    assert rows == calibration_rows(train, 3, seed=0)[0] and rows != calibration_rows(train, 3, seed=5)[0]
+    assert sorted(calibration_rows(train, 128, seed=0)[0]) == [[1, 2], [3], [4, 5, 6], [7]]
+
+
+def test_modelfile_holds_the_template_stops_system_and_sampling():
+    from qwenft.export.gguf_quant import CHATML_TEMPLATE, modelfile
+
+    text = modelfile("m-q4_k_m.gguf", GENERATION, "You are a thermostat expert.")
+    lines = text.splitlines()
+    assert lines[1] == "FROM ./m-q4_k_m.gguf" and "ollama create NAME -f m-q4_k_m.Modelfile" in lines[0]
+    assert f'TEMPLATE """{CHATML_TEMPLATE}"""' in text and 'SYSTEM """You are a thermostat expert."""' in text
+    assert lines[-6:] == ['PARAMETER stop "<|im_end|>"', 'PARAMETER stop "<|endoftext|>"', "PARAMETER temperature 0.7",
+                          "PARAMETER top_p 0.8", "PARAMETER top_k 20", "PARAMETER repeat_penalty 1.05"]
+    # the ChatML turns of Qwen2.5's template, and an open assistant turn after the last user turn
+    for piece in ("<|im_start|>system\n{{ .System }}<|im_end|>\n", "<|im_start|>user\n{{ .Content }}<|im_end|>\n",
+                  "{{- if and (ne .Role \"assistant\") $last }}<|im_start|>assistant\n"):
+        assert piece in CHATML_TEMPLATE
+    bare = modelfile("m.gguf", {"eos_token_id": 1}, None)
+    assert "SYSTEM" not in bare and "temperature" not in bare
+    with pytest.raises(ValueError, match="triple quotes"):
+        modelfile("m.gguf", GENERATION, 'say """hi"""')
+
+
+def test_default_system_prompt_is_the_templates_own():
+    from qwenft.config import TinyModelConfig
+    from qwenft.export.gguf_quant import default_system_prompt
+    from qwenft.model import load_tokenizer
+    from qwenft.model.tiny import tiny_model_dir
+
+    tokenizer = load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
+    system = default_system_prompt(tokenizer)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    assert system and rendered.startswith(f"<|im_start|>system\n{system}<|im_end|>\n")
+
+
+def _entry(ratio: float, right: int, agreement: int, backend: str = "llama.cpp") -> dict:
+    return {"backend": backend, "bytes": 491_000_000, "decode_tokens_per_s": 40.0,
+            "perplexity": {"answers:domain": {"perplexity": 5.0 * ratio, "tokens": 100, "ratio": ratio}},
+            "sources": {"domain": {"metric": "contains_fact", "mean": right / 12, "right": right, "rows": 12,
+                                   "kept": min(right, 9), "of": 9}},
+            "agreement": {"identical": agreement, "compared": 200, "share": agreement / 200}}
+
+
+def test_cost_table_and_the_card_section():
+    from qwenft.export.card import QUANTIZED_HEADING, cost_table, replace_section
+
+    reference = _entry(1.0, 9, 200, "transformers")
+    del reference["sources"]["domain"]["kept"], reference["sources"]["domain"]["of"]
+    artifacts = {"gguf-q4_k_m": _entry(1.043, 10, 181), "16-bit": reference, "awq": {"error": "RuntimeError: x"}}
+    table = cost_table(artifacts, "16-bit").splitlines()
+    assert table[0] == ("| artifact | weights | ppl ratio answers:domain | domain: contains_fact | greedy agreement | "
+                        "decode tok/s |")
+    assert table[2].startswith("| 16-bit | 491.0 MB | 1.000 (ppl 5.000) | 0.750; 9/12 right | 100.0% (200/200) |")
+    assert table[3] == ("| gguf-q4_k_m | 491.0 MB | 1.043 | 0.833; 10/12 right, 9/9 kept | 90.5% (181/200) | "
+                        "40.0 (llama.cpp) |")
+    assert table[4].startswith("| awq | not measured: RuntimeError: x |")
+    card = "# m\n\n## Serve\n\nx\n"
+    once = replace_section(card, f"{QUANTIZED_HEADING}\n\nold\n")
+    twice = replace_section(once, f"{QUANTIZED_HEADING}\n\nnew\n")
+    assert twice == "# m\n\n## Serve\n\nx\n\n" + f"{QUANTIZED_HEADING}\n\nnew\n"
+    middle = replace_section(f"# m\n\n{QUANTIZED_HEADING}\n\nold\n\n## Later\n\ny\n", f"{QUANTIZED_HEADING}\n\nnew\n")
+    assert middle == f"# m\n\n{QUANTIZED_HEADING}\n\nnew\n\n## Later\n\ny\n"
+
+
+def test_quantize_settings_are_not_part_of_the_merges_identity(tmp_path):
+    from qwenft.export import _request
+    from qwenft.model.adapter import resolve_base
+
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none")
+    plain = merge_config(adapter, tmp_path / "out", "merge.gguf=f16")
+    quantized = merge_config(adapter, tmp_path / "out", "merge.gguf=f16", "merge.quantize=[gguf-q4_k_m]",
+                             "merge.calibration_rows=8")
+    model, quant, _ = resolve_base(plain.model, plain.quant, adapter, typed=[])
+    assert _request(adapter, model, quant, plain) == _request(adapter, model, quant, quantized)
+
+
+def test_gptq_on_tiny_random_is_refused_before_merging(tmp_path):
+    pytest.importorskip("llmcompressor")
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none")
+    out = tmp_path / "out"
+    result = run_cli("merge", f"adapter={adapter}", f"out={out}", "merge.quantize=[gptq]", timeout=300)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("qwenft: error: merge.quantize=gptq: W4A16 groups 128 input columns per scale, and this "
+                           "model's hidden_size 64"), result.stderr
+    assert not out.exists()
+
+
+def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
+    """Merge + f16 GGUF + Q8_0 and Q4_K_M by llama.cpp: published files, Modelfiles, llama.cpp's check, the cost
+    table in qwenft_merge.json, the card and the output; a re-run loads nothing; the merge itself stays done."""
+    pytest.importorskip("llama_cpp")
+    import qwenft.export.quantize as quantize_module
+    from qwenft.export import merge
+    from qwenft.export.quantize import check_request
+
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none")
+    out = tmp_path / "merged"
+    config = merge_config(adapter, out, "merge.dtype=float32", "merge.gguf=f16",
+                          "merge.quantize=[gguf-q8_0,gguf-q4_k_m]", *SMALL_EVAL)
+    start = time.perf_counter()
+    merge(config, device="cpu")
+    print(f"tiny-random merge + 2 K-quants + cost table: {time.perf_counter() - start:.0f} s")
+    record = json.loads((out / "qwenft_merge.json").read_text())
+    for method, kind in (("gguf-q8_0", "Q8_0"), ("gguf-q4_k_m", "Q5_0")):  # width 64: no 256-value super-blocks
+        entry = record["quantized"][method]
+        assert (out / entry["path"]).is_file() and (out / entry["modelfile"]).is_file()
+        assert kind in entry["tensor_types"] and entry["llama_cpp"]["chat"] == "as in HF"
+        assert entry["llama_cpp"]["identical"] >= entry["llama_cpp"]["required"] * entry["llama_cpp"]["compared"]
+        assert f"FROM ./{entry['path']}" in (out / entry["modelfile"]).read_text()
+    assert (out / "merged-f16.Modelfile").is_file() and record["gguf"]["modelfile"] == "merged-f16.Modelfile"
+    costs = record["costs"]["artifacts"]
+    assert list(costs) == ["16-bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
+    assert costs["16-bit"]["agreement"]["share"] == 1.0 and costs["16-bit"]["backend"] == "transformers"
+    assert abs(costs["gguf-f16"]["perplexity"]["answers:domain"]["ratio"] - 1) < 1e-3
+    assert costs["gguf-q4_k_m"]["bytes"] < costs["gguf-q8_0"]["bytes"] < costs["gguf-f16"]["bytes"]
+    assert all(c["decode_tokens_per_s"] > 0 for c in costs.values())
+    assert "## Quantized artifacts and what they cost" in (out / "README.md").read_text()
+    assert not list(out.glob(".*"))  # no temporary name left
+
+    # A re-run: the merge and every artifact are done, nothing is loaded or measured; a killed run's leftovers go.
+    (out / ".merged-q6_k.gguf.tmp-abc").write_text("partial")
+    monkeypatch.setattr(quantize_module, "run_inputs", lambda *a: pytest.fail("a finished quantize loaded data"))
+    merge(config, device="cpu")
+    assert not (out / ".merged-q6_k.gguf.tmp-abc").exists()
+    assert json.loads((out / "qwenft_merge.json").read_text())["costs"] == record["costs"]
+    monkeypatch.undo()
+
+    # A merge directory without an f16 GGUF cannot feed a GGUF method.
+    with pytest.raises(QwenftError, match="holds no f16 GGUF to quantize"):
+        check_request(config, json.loads((out / "config.json").read_text()), None)
+
+
+@pytest.mark.slow
+def test_tiny_random_gptq_and_awq(tmp_path):
+    """GPTQ and AWQ by llm-compressor on a tiny-random of width 128 (one group per row): compressed-tensors
+    directories that transformers loads, measured in the cost table; AWQ's 8 rows go in one right-padded batch."""
+    pytest.importorskip("llmcompressor")
+    from qwenft.export import merge
+
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none", model_args=("model=tiny-random", "model.tiny.hidden_size=128",
+                                                    "model.tiny.intermediate_size=256"))
+    out = tmp_path / "merged"
+    start = time.perf_counter()
+    merge(merge_config(adapter, out, "merge.quantize=[gptq,awq]", "merge.calibration_rows=8", *SMALL_EVAL),
+          device="cpu")
+    print(f"tiny-random (128) merge + GPTQ + AWQ + cost table: {time.perf_counter() - start:.0f} s")
+    record = json.loads((out / "qwenft_merge.json").read_text())
+    for method in ("gptq", "awq"):
+        entry = record["quantized"][method]
+        config = json.loads((out / entry["path"] / "config.json").read_text())["quantization_config"]
+        weights = config["config_groups"]["group_0"]["weights"]
+        assert (config["quant_method"], config["format"], config["ignore"]) == ("compressed-tensors", "pack-quantized",
+                                                                                 ["lm_head"])
+        assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 128, True)
+        assert entry["calibration"]["rows"] == 8 and entry["settings"]["calibration_rows"] == 8
+        assert entry["settings"].get("batch_size") == (16 if method == "awq" else None)  # AWQ batched, padding masked
+        cost = record["costs"]["artifacts"][method]
+        assert cost["backend"] == "transformers" and 0 < cost["bytes"] < record["costs"]["artifacts"]["16-bit"]["bytes"]
+    assert f"vllm serve {out / 'w4a16-awq'}" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_embedded_model_k_quant_and_gptq(tmp_path, embedded_dir):
+    """The 0.5B model with a random r=8 adapter: Q4_K_M (llama.cpp's check at its threshold) and GPTQ on 16 rows,
+    both measured; the Modelfile carries the generation_config's sampling values and the template's system prompt."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llmcompressor")
+    from qwenft.export import merge
+
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
+    out = tmp_path / "merged"
+    start = time.perf_counter()
+    merge(merge_config(adapter, out, "merge.gguf=f16", "merge.quantize=[gguf-q4_k_m,gptq]",
+                       "merge.calibration_rows=16", *SMALL_EVAL), device="cpu")
+    print(f"0.5B merge + Q4_K_M + GPTQ (16 rows) + cost table: {time.perf_counter() - start:.0f} s")
+    record = json.loads((out / "qwenft_merge.json").read_text())
+    q4 = record["quantized"]["gguf-q4_k_m"]
+    assert {"Q4_K", "Q6_K"} <= set(q4["tensor_types"])  # 896 wide: llama.cpp falls back where 256 does not divide
+    modelfile = (out / q4["modelfile"]).read_text()
+    assert 'SYSTEM """You are Qwen, created by Alibaba Cloud. You are a helpful assistant."""' in modelfile
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile and "PARAMETER repeat_penalty" in modelfile
+    costs = record["costs"]["artifacts"]
+    for label in ("gguf-f16", "gguf-q4_k_m", "gptq"):
+        print(label, {k: costs[label][k] for k in ("bytes", "agreement", "decode_tokens_per_s")},
+              {g: round(v["ratio"], 4) for g, v in costs[label]["perplexity"].items()})
+        assert all(v["ratio"] < 1.5 for v in costs[label]["perplexity"].values())
+    assert costs["gptq"]["bytes"] < 0.7 * costs["16-bit"]["bytes"]
