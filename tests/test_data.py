@@ -260,7 +260,7 @@ def test_a_cache_miss_writes_memory_mapped_shards_and_a_hit_reads_nothing(tiny, 
     assert second.train[:] == first.train[:] and second.eval[:] == first.eval[:]
     assert second.eval_rows == first.eval_rows and second.train_row_ids.keys() == first.train_row_ids.keys()
     assert all((second.train_row_ids[n] == first.train_row_ids[n]).all() for n in first.train_row_ids)
-    assert second.stats == first.stats | {"cache_hits": 1, "cache_misses": 0}
+    assert second.stats | {"seconds": 0} == first.stats | {"cache_hits": 1, "cache_misses": 0, "seconds": 0}
     source.eval_rows = 3
     assert build(config_for(source, cache=True, seed=7), tiny).stats["cache_hits"] == 1  # split: not in the key
 
@@ -919,3 +919,27 @@ def test_a_plain_text_prompts_file_and_a_missing_model_dir_say_what_was_expected
     with pytest.raises(QwenftError, match=r"model \./my-model: cannot load it .*; no local directory "
                                           + str(tmp_path) + r"/my-model either \(a local model: model.source=local"):
         load_tokenizer("./my-model")
+
+
+def test_preview_says_how_long_the_data_took_on_a_miss_and_a_hit(tmp_path, monkeypatch, capsys):
+    """`data` prints the seconds a run spends on data before training (tokenizer load + build), the cache's
+    hit/miss beside it: the number issue 28's second-run target is read from (benchmarks/data_scale.py)."""
+    import re
+
+    from qwenft.cli import main
+
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    rows = write_jsonl(tmp_path / "rows.jsonl", qa_rows(6))
+    argv = ["data", "model=tiny-random", f"data.sources=[{{name: qa, path: {rows}, eval_rows: 1}}]"]
+    pattern = (r"tokenized cache: (\d) hit\(s\), (\d) miss\(es\); data ready in ([\d.]+) s "
+               r"\(tokenizer ([\d.]+) s, build ([\d.]+) s\)")
+    seen = []
+    for _ in range(2):
+        main(argv)
+        found = re.search(pattern, capsys.readouterr().out)
+        assert found, "no data-ready line"
+        hits, misses, total, tokenizer_s, build_s = found.groups()
+        # each printed to 0.1 s, so the sum of the rounded parts is within 0.1 s of the rounded total
+        assert abs(float(total) - float(tokenizer_s) - float(build_s)) <= 0.1 + 1e-9
+        seen.append((int(hits), int(misses)))
+    assert seen == [(0, 1), (1, 0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 from qwenft.config import Config
@@ -89,8 +90,10 @@ def preview(config: Config) -> None:
     from qwenft.logfilter import result_console
     from qwenft.model import load_tokenizer, tokenizer_dir
 
+    start = time.perf_counter()
     model_dir = tokenizer_dir(config.model)  # the embedded model's tokenizer without converting its weights
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
+    tokenizer_seconds = time.perf_counter() - start
     bundle = build(config, tokenizer)
     stats = bundle.stats
     console = result_console(highlight=False)  # not a terminal: full width (COLUMNS when set), no cell cut
@@ -112,7 +115,9 @@ def preview(config: Config) -> None:
     console.print(f"truncated: {stats['truncated']}, dropped: {stats['dropped']}, skipped bad rows: "
                   f"{stats['skipped']}; supervised tokens: {stats['supervised_share']:.1%} "
                   f"(train_on={config.data.train_on})")
-    console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es)")
+    console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es); data ready in "
+                  f"{tokenizer_seconds + stats['seconds']:.1f} s (tokenizer {tokenizer_seconds:.1f} s, "
+                  f"build {stats['seconds']:.1f} s)")
     warning = _context_warning(config, model_dir)
     if warning:
         console.print(f"[yellow]warning:[/] {warning}")

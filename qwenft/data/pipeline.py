@@ -8,6 +8,7 @@ with their ids.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -144,8 +145,9 @@ def _with_ids(held: List[dict], encoded, tokenizer, system_prompt: Optional[str]
 
 
 def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: int, misses: int,
-                      packing: Packing) -> DataBundle:
-    """The bundle of a run whose sources all have weight 0: an empty training set, the held-out rows."""
+                      packing: Packing, start: float) -> DataBundle:
+    """The bundle of a run whose sources all have weight 0: an empty training set, the held-out rows (``start``:
+    the build's ``time.perf_counter()`` at its start, for ``stats["seconds"]``)."""
     import datasets
 
     empty = datasets.Dataset.from_dict({"input_ids": [], "labels": []})
@@ -164,7 +166,8 @@ def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: i
              "tokens": _percentiles(lengths), "max_seq_len": dcfg.max_seq_len, "truncated": 0, "dropped": 0,
              "skipped": sum(c["skipped"] for c in per_source.values()),
              "supervised_share": round(supervised / max(sum(lengths), 1), 6),
-             "packing": dcfg.packing, "pack_fill": None, "cache_hits": hits, "cache_misses": misses}
+             "packing": dcfg.packing, "pack_fill": None, "cache_hits": hits, "cache_misses": misses,
+             "seconds": round(time.perf_counter() - start, 3)}
     log.info("data: evaluation only (every source has weight 0): %d eval examples", len(eval_ds))
     return DataBundle(train=empty, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
                       train_row_ids={}, packing=packing)
@@ -192,7 +195,8 @@ def build(config: Config, tokenizer) -> DataBundle:
         (supervised / all tokens of the used examples), ``pack_fill`` (tokens / (rows x max_seq_len)),
         ``cache_hits`` / ``cache_misses`` (sources found in / added to the cache, :mod:`qwenft.data.source`) and
         ``system_prompt`` (the one most training examples carried and its
-        share, :func:`qwenft.data.template.trained_system`).
+        share, :func:`qwenft.data.template.trained_system`) and ``seconds`` (wall seconds of this build: reading,
+        tokenizing or opening the cache, mixing, packing; not the tokenizer's load).
 
     Raises:
         ConfigError: no sources; ``eval_rows`` larger than a training source of under 3 rows (:func:`eval_rows_for`).
@@ -203,6 +207,7 @@ def build(config: Config, tokenizer) -> DataBundle:
     import datasets
     import numpy as np
 
+    start = time.perf_counter()
     dcfg = config.data
     if not dcfg.sources:
         raise ConfigError("data.sources is empty; give at least one source (see conf/data/default.yaml)")
@@ -246,7 +251,7 @@ def build(config: Config, tokenizer) -> DataBundle:
         per_source[src.name] = counts
 
     if not usable:  # evaluation-only sources (every weight 0): nothing to mix, only held-out rows
-        return _eval_only_bundle(held_out, eval_rows, per_source, dcfg, hits, misses, packing)
+        return _eval_only_bundle(held_out, eval_rows, per_source, dcfg, hits, misses, packing, start)
     weights = {src.name: src.weight for src in dcfg.sources}
     available = {name: len(ds) for name, ds in usable.items()}
     counts_used = mix_counts(available, {n: weights[n] for n in available})
@@ -284,11 +289,13 @@ def build(config: Config, tokenizer) -> DataBundle:
         "supervised_share": round(n_supervised / max(n_tokens, 1), 6), "packing": dcfg.packing,
         "pack_fill": round(n_tokens / (len(train) * dcfg.max_seq_len), 6) if dcfg.packing else None,
         "cache_hits": hits, "cache_misses": misses, "system_prompt": trained_system(systems, counts_used),
+        "seconds": round(time.perf_counter() - start, 3),
     }
-    log.info("data: %d training examples (%s), %d eval; tokens p50 %d p95 %d max %d; %d truncated, %d dropped",
+    log.info("data: %d training examples (%s), %d eval; tokens p50 %d p95 %d max %d; %d truncated, %d dropped; "
+             "built in %.1f s (cache: %d hit(s), %d miss(es))",
              total, ", ".join(f"{n} {c['used']}" for n, c in per_source.items()), len(eval_ds),
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
-             stats["dropped"])
+             stats["dropped"], stats["seconds"], hits, misses)
     row_ids = {name: chosen["row"][origin == k] for k, name in enumerate(names)}
     return DataBundle(train=train, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample,
                       train_row_ids=row_ids, packing=packing)
