@@ -943,3 +943,59 @@ def test_preview_says_how_long_the_data_took_on_a_miss_and_a_hit(tmp_path, monke
         assert abs(float(total) - float(tokenizer_s) - float(build_s)) <= 0.1 + 1e-9
         seen.append((int(hits), int(misses)))
     assert seen == [(0, 1), (1, 0)]
+
+
+def test_a_shard_is_tokenized_while_the_next_is_read_and_its_error_comes_first(tiny, tmp_path, monkeypatch):
+    """The build reads shard k+1 while a worker thread tokenizes shard k (one shard in flight): shard 0's
+    tokenization sees shard 1's input being written before it returns. An error of the shard in flight is raised
+    before a later read error (file order), and nothing half-written is left."""
+    import threading
+
+    from qwenft.data import encode, pipeline, store
+
+    monkeypatch.setattr(store, "SHARD_ROWS", 4)
+    monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}],
+            "text": None, "row": i + 1} for i in range(10)]
+    source, dcfg = DataSource(name="s", path="s.jsonl"), DataConfig(cache=True)
+    second_read = threading.Event()
+    real_write, real_encode = store.ShardInput.write, encode.encode_batch
+
+    def write(self, part):
+        if ".00001." in self.path.name:
+            second_read.set()
+        return real_write(self, part)
+
+    overlapped = []
+
+    def encode_waiting(batch, **kwargs):
+        if batch["row"][0] == 1:  # shard 0: returns only once shard 1 is being read (or after 10 s: no overlap)
+            overlapped.append(second_read.wait(timeout=10))
+        return real_encode(batch, **kwargs)
+
+    monkeypatch.setattr(store.ShardInput, "write", write)
+    monkeypatch.setattr(encode, "encode_batch", encode_waiting)
+    pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    assert overlapped == [True]
+
+    def fails_on_shard_0(batch, **kwargs):
+        if batch["row"][0] == 1:
+            second_read.wait(timeout=10)
+            raise RuntimeError("shard 0 failed")
+        return real_encode(batch, **kwargs)
+
+    def read_fails_in_shard_1():
+        yield rows[:4]
+        yield rows[4:6]
+        raise DataError("bad row", file="s.jsonl", row=7)
+
+    monkeypatch.setattr(encode, "encode_batch", fails_on_shard_0)
+    second_read.clear()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with pytest.raises(RuntimeError, match="shard 0 failed"):
+        store._build(tmp_path, shards, read_fails_in_shard_1(),
+                     lambda part, cache_file, shard: part.map(encode.encode_batch, batched=True,
+                                                              cache_file_name=cache_file, fn_kwargs={}),
+                     {}, dict)
+    assert list(shards.iterdir()) == []  # neither shard's input nor output left

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
@@ -197,6 +198,11 @@ def _build(entry: Path, shards: Path, batches: Iterable[Sequence[dict]], map_sha
         if path.name not in done:
             path.unlink(missing_ok=True)
     shard, filled, total, current = 0, 0, 0, None  # shard number, its rows so far, all rows, its input file
+    # A full shard is tokenized on a worker thread while this thread reads the next one: the tokenizer's batch
+    # encoding releases the GIL, so the read (Python) and the tokenization (Rust) overlap. One shard at most is in
+    # flight (the next waits for it), so memory stays one shard's map batch, and shards finish in file order.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwenft-shard")
+    pending: Optional[Future] = None
     try:
         for batch in batches:
             pos = 0
@@ -208,15 +214,28 @@ def _build(entry: Path, shards: Path, batches: Iterable[Sequence[dict]], map_sha
                         current = ShardInput(shards / f".{shard:05d}.{os.getpid()}.input.arrow")
                     current.write(part)
                 if filled == SHARD_ROWS:
-                    _finish_shard(shards, shard, current, map_shard)
+                    pending, before = None, pending
+                    if before is not None:
+                        before.result()  # the shard before: done, or its error raised here, in file order
+                    if current is not None:
+                        current.finish()
+                    pending = pool.submit(_finish_shard, shards, shard, current, map_shard)
                     shard, filled, current = shard + 1, 0, None
+        pending, before = None, pending
+        if before is not None:
+            before.result()
         if filled:
             _finish_shard(shards, shard, current, map_shard)
             shard, current = shard + 1, None
     finally:
-        if current is not None:  # the stream failed (a bad row): the half-written input goes
-            current.finish()
-            current.path.unlink(missing_ok=True)
+        try:
+            if pending is not None:  # the read failed while the shard before it was tokenized: that shard finishes
+                pending.result()  # (it is valid and resumable); its own error, earlier in the file, would win
+        finally:
+            pool.shutdown(wait=True)
+            if current is not None:  # the stream failed (a bad row): the half-written input goes
+                current.finish()
+                current.path.unlink(missing_ok=True)
     _write_json(entry / "entry.json", {**info, **final(), "rows": total, "shards": shard,
                                        "created": time.strftime("%Y-%m-%d %H:%M:%S")})
 
@@ -228,7 +247,7 @@ def _finish_shard(shards: Path, shard: int, current: Optional[ShardInput], map_s
 
     if current is None:
         return
-    current.finish()
+    current.finish()  # a no-op when already finished
     try:
         part = datasets.Dataset.from_file(str(current.path))
         mapped = map_shard(part, str(shards / f".{shard:05d}.{os.getpid()}.tmp.arrow"), f"shard {shard + 1}")
