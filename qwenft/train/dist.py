@@ -204,8 +204,8 @@ def check_strategy(config: Config, cuda: bool) -> None:
         raise QwenftError(f"{name} needs the deepspeed package, which is not installed (pip install deepspeed); "
                           "or train with dist=ddp / dist=fsdp")
     if dcfg.strategy in ("fsdp", "deepspeed"):
-        if not cuda:
-            raise QwenftError(f"{name} needs CUDA GPUs; on a CPU train with dist=none or dist=ddp (gloo)")
+        if dcfg.strategy == "deepspeed" and not cuda:
+            raise QwenftError(f"{name} needs CUDA GPUs; on a CPU train with dist=none, dist=ddp or dist=fsdp (gloo)")
         if not launched():
             raise QwenftError(f"{name} needs a distributed launch: torchrun --nproc_per_node=N -m qwenft train ... "
                               "(or accelerate launch --num_processes N -m qwenft train ...)")

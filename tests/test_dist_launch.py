@@ -1,0 +1,104 @@
+"""FSDP on CPU processes (gloo) and a launch over two "nodes" (torchrun's c10d rendezvous on 127.0.0.1).
+
+Both compare with the one-process reference of tests/test_dist.py (batch 2 = 2 ranks x batch 1), with its
+tolerances (:func:`tests.test_dist.assert_same_training`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_dist import (KILL_AFTER_CHECKPOINT_2, LAUNCHER, assert_same_training, child_env, common_args,
+                             free_port, single_process_run, torchrun)
+
+__all__ = ["single_process_run"]  # the module-scoped reference fixture, used here too
+
+EVAL_ARGS = ["eval.after_train=true", "eval.max_eval_prompts=2", "eval.max_new_tokens=4", "eval.samples_in_report=1"]
+
+# Checks, on each rank, at the first training step, that accelerate really shards (FSDP2 turns every parameter into
+# a DTensor): accelerate drops the FSDP plugin on CPU processes unless qwenft makes it take it, and the run would
+# then be plain DDP with the same numbers.
+ASSERT_SHARDED = """
+import transformers
+_step = transformers.Trainer.training_step
+def _checked_step(self, model, inputs, *args, **kwargs):
+    if self.state.global_step == 0:
+        from torch.distributed.tensor import DTensor
+        params = list(model.parameters())
+        assert self.is_fsdp_enabled and all(isinstance(p, DTensor) for p in params), "not sharded"
+        print(f"sharded: {len(params)} DTensor parameters", flush=True)
+    return _step(self, model, inputs, *args, **kwargs)
+transformers.Trainer.training_step = _checked_step
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_two_cpu_ranks_resume_after_sigkill_and_evaluate_equal_one_process(tmp_path, single_process_run):
+    reference, rows = single_process_run
+    run_dir = tmp_path / "run"
+    args = [*common_args(rows), "train.batch_size=1", "dist=fsdp", f"out_dir={run_dir}"]
+    result = torchrun(tmp_path, tmp_path, [*args, "eval.after_train=false"],
+                      patch=ASSERT_SHARDED + KILL_AFTER_CHECKPOINT_2)
+    assert result.returncode != 0
+    assert result.stdout.count("sharded: ") == 2, result.stderr[-4000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert not (run_dir / "adapter").exists()
+
+    result = torchrun(tmp_path, tmp_path, [*args, "train.resume=auto", *EVAL_ARGS], patch=ASSERT_SHARDED)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+    out = result.stdout + result.stderr
+    assert "resuming from" in out and "distributed: fsdp (dist=fsdp), 2 process(es)" in out
+    # steps 1-2 from the killed run, 3-4 after the resume, and the adapter: as one process with batch 2
+    assert_same_training(run_dir, reference, resumed=True)
+    # the evaluation after training ran on rank 0 from the saved adapter (the ranks held shards only)
+    assert out.count("evaluating the saved adapter") == 1
+    assert (run_dir / "report.md").is_file() and (run_dir / "generations.jsonl").is_file()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["train"]["global_step"] == 4 and "memory" in metrics and "eval" in metrics["memory"], metrics.keys()
+
+
+def two_nodes(tmp_path: Path, cwd: Path, args: list, timeout: int = 900) -> list:
+    """Two ``torchrun --nnodes=2 --nproc_per_node=1 --node_rank=N --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:P``
+    commands, as on two machines, started together in ``cwd``; returns both CompletedProcess-like results."""
+    launcher = tmp_path / "launch_qwenft.py"
+    launcher.write_text(LAUNCHER.format(patch=""))
+    cwd.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                   f"--node_rank={node_rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                   "--rdzv_id=qwenft-test", str(launcher), "train", *args]
+        nodes.append(subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=child_env()))
+    results = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(node.args, node.returncode, stdout, stderr))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["ddp", "fsdp"])
+def test_two_nodes_one_process_each_equal_one_process(dist, tmp_path, single_process_run):
+    reference, rows = single_process_run
+    work = tmp_path / "work"
+    # No out_dir: rank 0's default outputs/train/<time>_<pid> is broadcast to the other node's process.
+    results = two_nodes(tmp_path, work, [*common_args(rows), "train.batch_size=1", "eval.after_train=false",
+                                         f"dist={dist}"])
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
+    out = "".join(r.stdout + r.stderr for r in results)
+    assert f"distributed: {dist} (dist={dist}), 2 process(es)" in out
+    runs = list((work / "outputs" / "train").iterdir())
+    assert len(runs) == 1, runs  # one run directory
+    adapters = [p for p in work.rglob("adapter_model.safetensors") if "checkpoints" not in p.parts]
+    assert adapters == [runs[0] / "adapter" / "adapter_model.safetensors"]  # one adapter
+    assert out.count("run directory:") == 1
+    assert_same_training(runs[0], reference)
