@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import compose_config
 from tests.test_dist import (KILL_AFTER_CHECKPOINT_2, LAUNCHER, assert_same_training, child_env, common_args,
                              free_port, single_process_run, torchrun)
+from tests.test_train import write_rows
 
 __all__ = ["single_process_run"]  # the module-scoped reference fixture, used here too
 
@@ -102,3 +104,51 @@ def test_two_nodes_one_process_each_equal_one_process(dist, tmp_path, single_pro
     assert adapters == [runs[0] / "adapter" / "adapter_model.safetensors"]  # one adapter
     assert out.count("run directory:") == 1
     assert_same_training(runs[0], reference)
+
+
+# --- bad setups: one line each ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_more_processes_than_the_examples_can_feed_is_one_line_per_rank(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", n=16)
+    run_dir = tmp_path / "run"
+    # 14 training rows, 2 processes x batch 8 = 16 per step: accelerate would repeat 2 rows to fill the batch
+    result = torchrun(tmp_path, tmp_path, [*common_args(rows), "train.batch_size=8", "eval.after_train=false",
+                                           f"out_dir={run_dir}"], timeout=300)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("qwenft: error:")]
+    assert len(errors) == 2, result.stderr[-4000:]  # each rank's one line
+    assert "14 training example(s) cannot feed 2 processes x train.batch_size=8 (16 per step" in errors[0]
+    assert "Traceback (most recent call last)" not in result.stdout
+    assert not (run_dir / "adapter").exists() and not (run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "deepspeed_zero3"])
+def test_sharded_nf4_in_uint8_storage_is_one_line(preset, monkeypatch):
+    import importlib.util
+
+    from qwenft.config import QwenftError
+    from qwenft.train.dist import check_strategy
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as if deepspeed were installed: the check after it runs
+                        lambda name, *args: object() if name == "deepspeed" else real_find_spec(name, *args))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as under a launcher (one process: no process group is made)
+    config = compose_config("model=tiny-random", f"dist={preset}", "quant=nf4", "dist.quant_storage=uint8")
+    with pytest.raises(QwenftError, match=f"^dist={preset} with quant=nf4 needs dist.quant_storage=bfloat16: FSDP "
+                                          "and ZeRO-3 shard only floating-point tensors$"):
+        check_strategy(config, cuda=True)
+    check_strategy(compose_config("model=tiny-random", f"dist={preset}", "quant=nf4"), cuda=True)  # the preset's
+
+
+def test_fsdp_nf4_in_uint8_storage_stops_at_start_exit_2(tmp_path, monkeypatch, capsys):
+    from qwenft.cli import main
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "model=tiny-random", "dist=fsdp", "quant=nf4", "dist.quant_storage=uint8",
+              f"out_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "dist.quant_storage=bfloat16" in err, err
+    assert not (tmp_path / "run").exists()

@@ -216,6 +216,23 @@ def check_strategy(config: Config, cuda: bool) -> None:
                           "floating-point tensors")
 
 
+def check_batch_feed(examples: int, config: Config) -> None:
+    """Check that the training examples fill one global batch: every process needs ``train.batch_size`` of them.
+
+    Args:
+        examples: training examples after the data build (packed sequences when packing is on).
+
+    Raises:
+        QwenftError: fewer examples than ``world_size x train.batch_size`` under a launch of several processes
+            (accelerate would fill the batch by repeating examples, so some would weigh twice in every epoch).
+    """
+    need = world_size() * config.train.batch_size
+    if world_size() > 1 and examples < need:
+        raise QwenftError(f"{examples} training example(s) cannot feed {world_size()} processes x train.batch_size="
+                          f"{config.train.batch_size} ({need} per step; the rest would be repeats): launch fewer "
+                          "processes, lower train.batch_size or add training data")
+
+
 def preflight(config: Config, command: str) -> None:
     """Environment checks run by the CLI before Hydra writes anything (attention, dist strategy).
 

@@ -231,7 +231,8 @@ def run(config: Config) -> Path:
     Raises:
         NonFiniteError: the loss or gradient norm became NaN/inf (names the step).
         QwenftError: bad data, a bad resume path, a missing model source, a run already in ``out_dir`` with
-            ``train.resume=none``, a resume whose model / quant / LoRA settings differ from the run's.
+            ``train.resume=none``, a resume whose model / quant / LoRA settings differ from the run's, too few
+            training examples for the processes' batches (:func:`qwenft.train.dist.check_batch_feed`).
     """
     from transformers import set_seed
 
@@ -266,6 +267,7 @@ def run(config: Config) -> Path:
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
         bundle = data_lib.build(config, tokenizer)
+    dist.check_batch_feed(len(bundle.train), config)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "config.yaml", config_yaml(config))
