@@ -6,6 +6,7 @@ tolerances (:func:`tests.test_dist.assert_same_training`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -63,6 +64,24 @@ def test_fsdp_two_cpu_ranks_resume_after_sigkill_and_evaluate_equal_one_process(
     assert (run_dir / "report.md").is_file() and (run_dir / "generations.jsonl").is_file()
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["train"]["global_step"] == 4 and "memory" in metrics and "eval" in metrics["memory"], metrics.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("preset", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_deepspeed_two_cpu_ranks_equal_one_process(preset, tmp_path, single_process_run):
+    # DeepSpeed picks its CPU accelerator where no GPU is found (and JIT-builds its shm op the first time, ~60 s)
+    reference, rows = single_process_run
+    run_dir = tmp_path / "run"
+    evaluate = EVAL_ARGS if preset == "deepspeed_zero3" else ["eval.after_train=false"]
+    result = torchrun(tmp_path, tmp_path, [*common_args(rows), "train.batch_size=1", f"dist={preset}",
+                                           f"out_dir={run_dir}", *evaluate])
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout + result.stderr
+    assert f"distributed: deepspeed (dist={preset}), 2 process(es)" in out
+    assert_same_training(run_dir, reference)
+    if preset == "deepspeed_zero3":  # weights partitioned: rank 0 evaluates the saved adapter
+        assert out.count("evaluating the saved adapter") == 1 and (run_dir / "report.md").is_file()
 
 
 def two_nodes(tmp_path: Path, cwd: Path, args: list, timeout: int = 900) -> list:

@@ -12,8 +12,9 @@ accelerate, runs DDP, FSDP or DeepSpeed from the TrainingArguments this module f
 - only rank 0 writes qwenft's own files (config.yaml, adapter/, metrics.json, the report); checkpoints are
   written by every rank into one staging folder that rank 0 renames
   (:class:`qwenft.train.callbacks.AtomicCheckpoints`);
-- environment problems (a missing deepspeed or flash-attn package, no GPU, no distributed launch) stop the run
-  with one line before anything is written (:func:`preflight`).
+- environment problems (a missing deepspeed or flash-attn package, nccl without a GPU, no distributed launch)
+  stop the run with one line before anything is written (:func:`preflight`); too few training examples for the
+  processes' batches stop it after the data build (:func:`check_batch_feed`).
 
 Process control is accelerate's ``PartialState`` (the process group, barriers, main-process-first, broadcast,
 reduce), the object the Trainer itself uses; it is created only under a launch of several processes (in one
@@ -203,9 +204,7 @@ def check_strategy(config: Config, cuda: bool) -> None:
     if dcfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise QwenftError(f"{name} needs the deepspeed package, which is not installed (pip install deepspeed); "
                           "or train with dist=ddp / dist=fsdp")
-    if dcfg.strategy in ("fsdp", "deepspeed"):
-        if dcfg.strategy == "deepspeed" and not cuda:
-            raise QwenftError(f"{name} needs CUDA GPUs; on a CPU train with dist=none, dist=ddp or dist=fsdp (gloo)")
+    if dcfg.strategy in ("fsdp", "deepspeed"):  # both also run on CPU processes (gloo; DeepSpeed's CPU accelerator)
         if not launched():
             raise QwenftError(f"{name} needs a distributed launch: torchrun --nproc_per_node=N -m qwenft train ... "
                               "(or accelerate launch --num_processes N -m qwenft train ...)")

@@ -17,6 +17,8 @@ the logits).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from qwenft.kernels import chunk_tokens
@@ -145,7 +147,8 @@ def supervised_loss_sum(model, inputs, kernels: str):
         hidden = causal.model(**features, use_cache=False).last_hidden_state
     targets = labels[:, 1:]
     keep = targets != -100
-    return fused_loss(hidden[:, :-1][keep], causal.lm_head.weight, targets[keep], kernels), keep.sum()
+    with _gathered(causal.lm_head.weight) as weight:
+        return fused_loss(hidden[:, :-1][keep], weight, targets[keep], kernels), keep.sum()
 
 
 def _fsdp_root(model) -> bool:
@@ -178,3 +181,20 @@ def _body_output_through_root(model, causal, features):
     finally:
         handle.remove()
     return captured["hidden"]
+
+
+@contextlib.contextmanager
+def _gathered(weight):
+    """``weight`` whole: a DeepSpeed ZeRO-3 partitioned parameter (``ds_id``; outside its module's forward it is an
+    empty placeholder, and the vocabulary size read from it was 0) is gathered for the body of the ``with``.
+
+    Safe for the loss: :func:`fused_loss` computes the hidden-state gradient during its forward, so the whole
+    weight is not needed in backward, and ``lm_head`` is frozen (no weight gradient to scatter back).
+    """
+    if not hasattr(weight, "ds_id"):
+        yield weight
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+        yield weight

@@ -345,6 +345,10 @@ def _load_saved_adapter(config: Config, adapter_dir: Path, tokenizer):
     from qwenft.model.inference import load_for_inference
 
     log.info("evaluating the saved adapter %s in one process (the weights were sharded)", adapter_dir)
+    if config.dist.strategy == "deepspeed":  # else transformers still sees ZeRO-3 (the TrainingArguments' global
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # config) and refuses device_map
+
+        unset_hf_deepspeed_config()
     one = dataclasses.replace(config, adapter=str(adapter_dir),
                               dist=dataclasses.replace(config.dist, quant_storage="uint8"))
     return load_for_inference(one, tokenizer=tokenizer)
