@@ -165,7 +165,7 @@ class QwenftTrainer(Trainer):
         from accelerate import PartialState
         from accelerate.utils import DistributedType
 
-        state = PartialState() if self.args.fsdp_plugin_args is not None and self.args.world_size > 1 else None
+        state = PartialState() if self.args.fsdp_plugin_args is not None else None  # made by the arguments
         if state is None or state.distributed_type != DistributedType.MULTI_CPU:
             return super().create_accelerator_and_postprocess()
         state.distributed_type = DistributedType.MULTI_GPU
