@@ -11,7 +11,10 @@ steps run on the CPU (what the test suite does):
 3. ``eval adapter=...``: exit 0, report.md and metrics.json with base and tuned;
 4. ``generate adapter=... prompts_file=... out=...``: exit 0, one JSON line per prompt with its tokens;
 5. ``merge adapter=... out=...``: exit 0 (merge verifies logits and greedy text itself), a model directory without
-   ``quantization_config``.
+   ``quantization_config``;
+6. on CUDA only: ``torchrun --nproc_per_node=1 -m qwenft train ... dist=fsdp`` (QLoRA in bfloat16 storage), and
+   ``dist=deepspeed_zero2`` / ``deepspeed_zero3`` where deepspeed is installed: exit 0, adapter/ and report.md
+   (rank 0 evaluates the saved adapter).
 
     bash benchmarks/gpu/smoke.sh            # prints a table; exit 1 if any step failed
     OUT=DIR bash benchmarks/gpu/smoke.sh    # also writes DIR/gpu_smoke.json
@@ -118,6 +121,19 @@ def main() -> int:
         ok &= _step("merge", [*qwenft, "merge", f"adapter={adapter}", f"out={work / 'merged'}"], 0,
                     [("model.safetensors", has(work / "merged" / "model.safetensors")),
                      ("no quantization_config", no_quant)], log, env)
+        if device == "cuda":  # the sharding engines' device paths, one process each (CPU ranks: tests/test_dist_launch)
+            import importlib.util
+
+            presets = ["fsdp"] + (["deepspeed_zero2", "deepspeed_zero3"] if importlib.util.find_spec("deepspeed")
+                                  else [])
+            for preset in presets:
+                out = work / preset
+                launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+                          "qwenft", "train", *common, f"out_dir={out}", "train.max_steps=2", "train.save_steps=2",
+                          "train.batch_size=2", "eval.max_new_tokens=4", "eval.max_eval_prompts=2", f"dist={preset}"]
+                ok &= _step(f"train dist={preset} (1 process)", launch, 0,
+                            [("adapter", has(out / "adapter" / "adapter_model.safetensors")),
+                             ("report.md", has(out / "report.md"))], log, env)
     seconds = time.perf_counter() - started
     print(f"{'all steps passed' if ok else 'FAILED'} on {device} in {seconds:.0f} s")
     if os.environ.get("OUT"):

@@ -12,8 +12,9 @@ accelerate, runs DDP, FSDP or DeepSpeed from the TrainingArguments this module f
 - only rank 0 writes qwenft's own files (config.yaml, adapter/, metrics.json, the report); checkpoints are
   written by every rank into one staging folder that rank 0 renames
   (:class:`qwenft.train.callbacks.AtomicCheckpoints`);
-- environment problems (a missing deepspeed or flash-attn package, no GPU, no distributed launch) stop the run
-  with one line before anything is written (:func:`preflight`).
+- environment problems (a missing deepspeed or flash-attn package, nccl without a GPU, no distributed launch)
+  stop the run with one line before anything is written (:func:`preflight`); too few training examples for the
+  processes' batches stop it after the data build (:func:`check_batch_feed`).
 
 Process control is accelerate's ``PartialState`` (the process group, barriers, main-process-first, broadcast,
 reduce), the object the Trainer itself uses; it is created only under a launch of several processes (in one
@@ -203,9 +204,7 @@ def check_strategy(config: Config, cuda: bool) -> None:
     if dcfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise QwenftError(f"{name} needs the deepspeed package, which is not installed (pip install deepspeed); "
                           "or train with dist=ddp / dist=fsdp")
-    if dcfg.strategy in ("fsdp", "deepspeed"):
-        if not cuda:
-            raise QwenftError(f"{name} needs CUDA GPUs; on a CPU train with dist=none or dist=ddp (gloo)")
+    if dcfg.strategy in ("fsdp", "deepspeed"):  # both also run on CPU processes (gloo; DeepSpeed's CPU accelerator)
         if not launched():
             raise QwenftError(f"{name} needs a distributed launch: torchrun --nproc_per_node=N -m qwenft train ... "
                               "(or accelerate launch --num_processes N -m qwenft train ...)")
@@ -214,6 +213,23 @@ def check_strategy(config: Config, cuda: bool) -> None:
     if config.quant.method == "nf4" and shards_weights(dcfg) and dcfg.quant_storage == "uint8":
         raise QwenftError(f"{name} with quant=nf4 needs dist.quant_storage=bfloat16: FSDP and ZeRO-3 shard only "
                           "floating-point tensors")
+
+
+def check_batch_feed(examples: int, config: Config) -> None:
+    """Check that the training examples fill one global batch: every process needs ``train.batch_size`` of them.
+
+    Args:
+        examples: training examples after the data build (packed sequences when packing is on).
+
+    Raises:
+        QwenftError: fewer examples than ``world_size x train.batch_size`` under a launch of several processes
+            (accelerate would fill the batch by repeating examples, so some would weigh twice in every epoch).
+    """
+    need = world_size() * config.train.batch_size
+    if world_size() > 1 and examples < need:
+        raise QwenftError(f"{examples} training example(s) cannot feed {world_size()} processes x train.batch_size="
+                          f"{config.train.batch_size} ({need} per step; the rest would be repeats): launch fewer "
+                          "processes, lower train.batch_size or add training data")
 
 
 def preflight(config: Config, command: str) -> None:

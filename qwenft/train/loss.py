@@ -17,6 +17,8 @@ the logits).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from qwenft.kernels import chunk_tokens
@@ -124,7 +126,8 @@ def supervised_loss_sum(model, inputs, kernels: str):
     """The summed NLL of the supervised next tokens of ``inputs`` and their count, without a logits tensor.
 
     Runs the causal LM's body (``model.model``; a ``PeftModel`` is unwrapped to its base) and :func:`fused_loss` on
-    the positions whose shifted label is not -100, inside whatever autocast region the caller opened.
+    the positions whose shifted label is not -100, inside whatever autocast region the caller opened. Under FSDP2
+    the body is run through the top-level module's forward (:func:`_body_output_through_root`).
 
     Args:
         model: a ``Qwen2ForCausalLM`` or a ``PeftModel`` around one.
@@ -138,7 +141,60 @@ def supervised_loss_sum(model, inputs, kernels: str):
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     labels = inputs["labels"]
     features = {k: v for k, v in inputs.items() if k != "labels"}
-    hidden = causal.model(**features, use_cache=False).last_hidden_state
+    if _fsdp_root(model):
+        hidden = _body_output_through_root(model, causal, features)
+    else:
+        hidden = causal.model(**features, use_cache=False).last_hidden_state
     targets = labels[:, 1:]
     keep = targets != -100
-    return fused_loss(hidden[:, :-1][keep], causal.lm_head.weight, targets[keep], kernels), keep.sum()
+    with _gathered(causal.lm_head.weight) as weight:
+        return fused_loss(hidden[:, :-1][keep], weight, targets[keep], kernels), keep.sum()
+
+
+def _fsdp_root(model) -> bool:
+    """Whether ``model`` is the root of an FSDP2 wrapping (``fully_shard``, as accelerate applies it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _body_output_through_root(model, causal, features):
+    """The body's ``[batch, seq, hidden]`` last hidden state, computed by calling the FSDP2 root ``model`` itself.
+
+    FSDP2 gathers the root's own weights (embeddings, final norm, lm_head) in the root module's forward hooks, and
+    its first forward sets up the whole wrapping (which module is the root, the backward's reduce-scatter): calling
+    ``causal.model`` directly fails with "aten.mul.Tensor got mixed torch.Tensor and DTensor" at the final norm.
+    The root forward computes the logits of the last position only (``logits_to_keep=1``, ``[batch, 1, vocab]``);
+    the root keeps its weights gathered after forward (FSDP2 does not reshard the root then), so
+    ``causal.lm_head.weight`` is the whole matrix for :func:`fused_loss`.
+    """
+    captured = {}
+
+    def keep(_module, _args, output):
+        captured["hidden"] = output.last_hidden_state
+
+    handle = causal.model.register_forward_hook(keep)
+    try:
+        model(**features, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured["hidden"]
+
+
+@contextlib.contextmanager
+def _gathered(weight):
+    """``weight`` whole: a DeepSpeed ZeRO-3 partitioned parameter (``ds_id``; outside its module's forward it is an
+    empty placeholder, and the vocabulary size read from it was 0) is gathered for the body of the ``with``.
+
+    Safe for the loss: :func:`fused_loss` computes the hidden-state gradient during its forward, so the whole
+    weight is not needed in backward, and ``lm_head`` is frozen (no weight gradient to scatter back).
+    """
+    if not hasattr(weight, "ds_id"):
+        yield weight
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+        yield weight

@@ -223,7 +223,7 @@ def run(config: Config) -> Path:
     function: each loads its model copy on its own device and builds the same data (rank 0 first), the Trainer
     runs DDP / FSDP / DeepSpeed, and only rank 0 writes config.yaml, adapter/, metrics.json and the report. The
     evaluation after training runs on rank 0 alone, after the other ranks have left (with FSDP / ZeRO-3, whose
-    rank holds only part of the weights, it is skipped: run ``qwenft eval adapter=<run>/adapter`` in one process).
+    ranks hold only part of the weights, rank 0 evaluates the saved adapter on a freshly loaded base).
 
     Returns:
         The run directory.
@@ -231,7 +231,8 @@ def run(config: Config) -> Path:
     Raises:
         NonFiniteError: the loss or gradient norm became NaN/inf (names the step).
         QwenftError: bad data, a bad resume path, a missing model source, a run already in ``out_dir`` with
-            ``train.resume=none``, a resume whose model / quant / LoRA settings differ from the run's.
+            ``train.resume=none``, a resume whose model / quant / LoRA settings differ from the run's, too few
+            training examples for the processes' batches (:func:`qwenft.train.dist.check_batch_feed`).
     """
     from transformers import set_seed
 
@@ -266,6 +267,7 @@ def run(config: Config) -> Path:
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
         bundle = data_lib.build(config, tokenizer)
+    dist.check_batch_feed(len(bundle.train), config)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "config.yaml", config_yaml(config))
@@ -311,10 +313,11 @@ def run(config: Config) -> Path:
     dist.destroy()  # nothing collective follows: rank 0 evaluates alone, the others are done
     if not main:
         return out_dir
-    if config.eval.after_train and sharded:
-        log.warning("eval.after_train is skipped with dist=%s (each rank holds part of the weights); evaluate in "
-                    "one process: python -m qwenft eval adapter=%s", config.dist.name, out_dir / "adapter")
-    elif config.eval.after_train:  # no autocast: the weights are cast to the compute dtype, as `qwenft eval` runs
+    if config.eval.after_train and sharded:  # rank 0's model holds its shards only: evaluate the saved adapter
+        del model
+        gc.collect()
+        model, tokenizer = _load_saved_adapter(config, out_dir / "adapter", tokenizer)
+    if config.eval.after_train:  # no autocast: the weights are cast to the compute dtype, as `qwenft eval` runs
         _evaluate_after_train(config, model, tokenizer, bundle, benchmarks)
     print(f"run directory: {out_dir}")
     return out_dir
@@ -331,6 +334,24 @@ def _release_training_state(trainer, model) -> None:
     handler = getattr(trainer, "callback_handler", None)
     if handler is not None:
         handler.optimizer = handler.lr_scheduler = None
+
+
+def _load_saved_adapter(config: Config, adapter_dir: Path, tokenizer):
+    """The base and the adapter just saved, loaded in this one process as ``qwenft eval adapter=...`` loads them
+    (a 4-bit base in its usual uint8 storage, not the float storage sharding needed): the evaluation after a
+    sharded run (FSDP, ZeRO-3), whose ranks each held a part of the weights."""
+    import dataclasses
+
+    from qwenft.model.inference import load_for_inference
+
+    log.info("evaluating the saved adapter %s in one process (the weights were sharded)", adapter_dir)
+    if config.dist.strategy == "deepspeed":  # else transformers still sees ZeRO-3 (the TrainingArguments' global
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # config) and refuses device_map
+
+        unset_hf_deepspeed_config()
+    one = dataclasses.replace(config, adapter=str(adapter_dir),
+                              dist=dataclasses.replace(config.dist, quant_storage="uint8"))
+    return load_for_inference(one, tokenizer=tokenizer)
 
 
 def _evaluate_after_train(config: Config, model, tokenizer, bundle, benchmarks) -> None:

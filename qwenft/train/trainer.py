@@ -150,6 +150,33 @@ class QwenftTrainer(Trainer):
         self.checkpoint_dir = self.args.output_dir  # where complete checkpoints are (make_trainer: <run>/checkpoints)
         self.kernels = "none"  # resolved train.kernels (qwenft.kernels), set by make_trainer
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator, with FSDP on CPU processes too (``dist=fsdp`` under gloo).
+
+        accelerate 1.15 takes its FSDP branch only for accelerator devices (``AcceleratorState.__init__`` checks for
+        ``MULTI_GPU``, ``MULTI_XPU``, ...): on CPU processes it drops the FSDP plugin without a word and the run is
+        plain DDP. The shared process state is shown as ``MULTI_GPU`` while the Accelerator is made (its device,
+        the CPU, and the gloo group are already set), so the same FSDP2 path as on GPUs runs (the Accelerator then
+        records ``FSDP`` as the shared state's type, as on GPUs).
+
+        Raises:
+            QwenftError: accelerate did not take its FSDP branch (a newer accelerate that changed it).
+        """
+        from accelerate import PartialState
+        from accelerate.utils import DistributedType
+
+        state = PartialState() if self.args.fsdp_plugin_args is not None else None  # made by the arguments
+        if state is None or state.distributed_type != DistributedType.MULTI_CPU:
+            return super().create_accelerator_and_postprocess()
+        state.distributed_type = DistributedType.MULTI_GPU
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            if state.distributed_type == DistributedType.MULTI_GPU:  # no Accelerator was made
+                state.distributed_type = DistributedType.MULTI_CPU
+        if not self.is_fsdp_enabled:
+            raise QwenftError("dist=fsdp: accelerate did not enable FSDP on CPU processes")
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Causal LM loss over the supervised positions, under mixed precision, without a logits tensor.
 
