@@ -547,7 +547,7 @@ def test_a_users_task_directory_runs_base_and_tuned(bench_run, tmp_path, capsys,
 
 
 # --------------------------------------------------------------------- 7. slow: qwenft vs lm-eval's HFLM
-# The two MMLU subjects with the shortest 5-shot prompts in ../shared/data/bench: 10 questions each. Fewer shots
+# The two MMLU subjects with the shortest 5-shot prompts in ../shared/data/bench: 6 questions each. Fewer shots
 # would not be MMLU; fewer subjects share their shots across more questions (qwenft's prefix cache), and short
 # prompts keep HFLM (every context run whole) within the time of a slow test.
 SLOW_SUBJECTS = ("world_religions", "abstract_algebra")
@@ -555,7 +555,7 @@ SLOW_SUBJECTS = ("world_religions", "abstract_algebra")
 
 @pytest.mark.slow
 def test_same_mmlu_predictions_as_lm_eval_hflm(embedded_dir, shared_data, tmp_path):
-    """20 questions, the same fp32 model object through QwenftLM and through HFLM: the same letter (argmax of
+    """12 questions (6 per subject; 20 cost 116 s of CI), the same fp32 model object through QwenftLM and through HFLM: the same letter (argmax of
     the four log-likelihoods) for every question, and log-likelihoods within 1e-3 nats. Both run the same
     fp32 arithmetic; qwenft's differs only in summation order (a cached prefix, right padding, the chunked
     projection), measured at ~4e-5 on the embedded model, so 1e-3 is a 25x margin that a real error (a shifted
@@ -574,10 +574,10 @@ def test_same_mmlu_predictions_as_lm_eval_hflm(embedded_dir, shared_data, tmp_pa
         for subject in SLOW_SUBJECTS:
             (bench / "mmlu" / split / f"{subject}_{split}.csv").symlink_to(
                 shared_data / "bench" / "mmlu" / split / f"{subject}_{split}.csv")
-    config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", "eval.bench_limit=20",
+    config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", "eval.bench_limit=12",
                             f"eval.bench_data=[{bench}]", command="eval")
     (questions,) = bench_tasks.prepare(config)
-    assert questions.questions == 20 and {len(ids) for ids in questions.samples.values()} == {10}
+    assert questions.questions == 12 and {len(ids) for ids in questions.samples.values()} == {6}
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(embedded_dir))
@@ -596,9 +596,9 @@ def test_same_mmlu_predictions_as_lm_eval_hflm(embedded_dir, shared_data, tmp_pa
 
     ours, ours_s = answers(QwenftLM(model, tokenizer, Sampler(model, tokenizer), batch_size=8))
     theirs, theirs_s = answers(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8))
-    assert set(ours) == set(theirs) and len(ours) == 20
+    assert set(ours) == set(theirs) and len(ours) == 12
     same = sum(max(range(4), key=ours[q].__getitem__) == max(range(4), key=theirs[q].__getitem__) for q in ours)
     worst = max(abs(a - b) for q in ours for a, b in zip(ours[q], theirs[q]))
-    print(f"qwenft {ours_s:.1f} s, HFLM {theirs_s:.1f} s, same prediction {same}/20, max |dLL| {worst:.2e}")
-    assert same == 20
+    print(f"qwenft {ours_s:.1f} s, HFLM {theirs_s:.1f} s, same prediction {same}/12, max |dLL| {worst:.2e}")
+    assert same == 12
     assert worst < 1e-3
