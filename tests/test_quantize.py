@@ -5,6 +5,8 @@ on the embedded 0.5B model (slow). Tests that run llama.cpp or llm-compressor sk
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -269,3 +271,38 @@ def test_embedded_model_k_quant(tmp_path, embedded_dir):
               {g: round(v["ratio"], 4) for g, v in costs[label]["perplexity"].items()})
         assert all(v["ratio"] < 1.5 for v in costs[label]["perplexity"].values())
     assert costs["gguf-q4_k_m"]["bytes"] < 0.45 * costs["16-bit"]["bytes"]  # 491 of 1,260 MB on the quickstart merge
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_calibration_child_dies_with_a_merge_killed_by_sigkill(tmp_path):
+    """A merge killed with SIGKILL while GPTQ / AWQ calibrates takes its child with it: the child's prelude
+    (DIE_WITH_PARENT) asks the kernel for SIGKILL when its parent dies. Without it the orphan kept calibrating into a
+    temporary directory that the next run removes from under it."""
+    import signal
+    import subprocess
+
+    from qwenft.export.w4a16 import DIE_WITH_PARENT
+
+    child_pid = tmp_path / "child.pid"
+    child = DIE_WITH_PARENT + f"\nimport pathlib, time\npathlib.Path({str(child_pid)!r}).write_text(str(os.getpid()))\ntime.sleep(60)\n"
+    parent = ("import os, subprocess, sys\n"
+              f"subprocess.run([sys.executable, '-c', {child!r}, str(os.getpid())])\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 30
+    while not (child_pid.is_file() and child_pid.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(child_pid.read_text())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    def alive() -> bool:  # an orphan is reaped by init, or by nobody in a container: a zombie counts as dead
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive():
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the child outlived its killed parent")

@@ -33,6 +33,7 @@ logs through loguru, and neither should reach the process that then measures the
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -52,7 +53,19 @@ RECIPES = {"gptq": {"scheme": "W4A16"},
 # host-to-device copies), and torch refuses to pin memory without an accelerator ("Cannot access accelerator device
 # when none is available"). Without one the child makes pinning a no-op: the values are the same, only the copy to a
 # device it would speed up does not exist.
-SCRIPT = r'''
+# First in the child: on Linux it dies with the merge (PR_SET_PDEATHSIG), so a merge killed with SIGKILL leaves no
+# orphan still calibrating into a temporary directory the next run would remove from under it. argv[-1]: the
+# parent's pid (a parent that died before the prctl is caught by the check after it).
+DIE_WITH_PARENT = r'''
+import os, signal, sys
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[-1]):
+        os._exit(1)
+'''
+
+SCRIPT = DIE_WITH_PARENT + r'''
 import json, sys, time
 from pathlib import Path
 
@@ -161,7 +174,8 @@ def quantize_w4a16(model_dir: Path, target: Path, method: str, rows: List[List[i
     with tempfile.TemporaryDirectory(prefix="qwenft-w4a16-") as work:
         spec_path, report_path = Path(work) / "spec.json", Path(work) / "report.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
-        result = subprocess.run([sys.executable, "-c", SCRIPT, str(spec_path), str(report_path)], cwd=work)
+        result = subprocess.run([sys.executable, "-c", SCRIPT, str(spec_path), str(report_path), str(os.getpid())],
+                                cwd=work)
         if result.returncode != 0 or not report_path.is_file():
             raise QuantizeError(f"llm-compressor could not quantize {model_dir.name} with {method} "
                                 f"(exit {result.returncode}; its output is above)")
