@@ -214,6 +214,16 @@ def test_refuses_a_non_empty_out(tmp_path, adapters):
     assert no_leftovers(out)
 
 
+def test_an_out_below_a_file_is_one_line(tmp_path, adapters):
+    """out=FILE/sub: one line naming out= and the file in the way (was a FileExistsError traceback)."""
+    from qwenft.export import merge
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(QwenftError, match=r"out=.*afile/sub: cannot create its folder .*afile is a file, not a folder"):
+        merge(merge_config(adapters["16bit"][0], tmp_path / "afile" / "sub", "merge.dtype=float32"), device="cpu")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 # --- NF4 round trip ---------------------------------------------------------------------------------------
 
 

@@ -229,7 +229,12 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     if out.is_dir() and any(out.iterdir()) and not config.merge.overwrite:
         raise QwenftError(f"out={config.out}: exists and is not empty; choose another out= or pass "
                           "merge.overwrite=true to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a folder should be, no permission
+        blocking = next((p for p in (out.parent, *out.parent.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocking} is a file, not a folder" if blocking else exc.strerror or str(exc)
+        raise QwenftError(f"out={config.out}: cannot create its folder {out.parent}: {why}") from None
     _remove_stale(out)
     log.info("base %s (%s) %s", model_cfg.name, model_cfg.source, why)
     with _terminate_as_interrupt():
