@@ -54,6 +54,10 @@ def test_f16_needs_every_token_identical():
     assert first["first_difference"] == 20
     assert first["at_first_difference"] == {"hf": 20, "llama_cpp": 777, "llama_cpp_gap": 0.5, "hf_gap": 0.25}
     assert "34/35" in verdict.problems[0] and "100% required for f16" in verdict.problems[0]
+    # the same difference where transformers scores both tokens alike (gap 0, within TIE_NATS): a tie, not a flip
+    tied = check_llama(fake_report([off, [5, 6, 151645]]), hf, CHAT, HF_EOS, "f16",
+                       hf_gaps=[[0.0] * NEW_TOKENS, [0.0] * 3])
+    assert tied.passed and (tied.identical, tied.ties) == (NEW_TOKENS + 2, 1) and tied.as_dict()["ties"] == 1
 
 
 def test_q8_0_needs_90_percent_of_the_tokens():
