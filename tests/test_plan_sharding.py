@@ -56,6 +56,8 @@ def test_zero2_shards_gradients_and_states_but_not_weights():
     assert two["gradients"] == halves(one["gradients"])
     assert two["optimizer_states"] == halves(one["optimizer_states"])
     assert two["gathered_weights"] == 0 and two["held_at_loss"] == one["held_at_loss"]
+    # the preset's contiguous_gradients + overlap_comm: two fp32 buffers of reduce_bucket_size = 2e8 elements
+    assert two["reduce_buffers"] == 2 * 200_000_000 * 4 and one["reduce_buffers"] == 0
 
 
 def test_zero3_shards_everything_and_gathers_layers():

@@ -57,7 +57,8 @@ def _largest_seq(arch: Architecture, setup: TrainSetup, batch: int, budget: int)
 
 SHARDED_ROWS = {
     "zero1": "AdamW states divided by the processes; weights, LoRA weights and gradients whole",
-    "zero2": "gradients and AdamW states divided by the processes (ZeRO-2); weights and LoRA weights whole",
+    "zero2": "gradients and AdamW states divided by the processes (ZeRO-2); weights and LoRA weights whole; plus "
+             "DeepSpeed's gradient buckets (reduce_bucket_size fp32 elements, two with overlap_comm)",
     "zero3": "weights, LoRA weights, gradients and AdamW states divided by the processes (ZeRO-3), plus the "
              "gathered weights: the running and the prefetched decoder layer, the embedding or lm_head at the loss",
     "fsdp": "weights, LoRA weights, gradients and AdamW states divided by the processes (FSDP2 full shard), plus the "
@@ -208,8 +209,10 @@ def render(plan: Dict[str, Any], console=None) -> None:
         table.add_column(name.replace("_", " ") + mark, justify="right", overflow="fold")
     labels = [("weights", "weights"), ("LoRA weights (fp32)", "lora_weights"), ("gradients", "gradients"),
               ("optimizer states", "optimizer_states")]
-    if t.get("sharding", "none") != "none":
+    if t.get("sharding", "none") in ("zero3", "fsdp", "fsdp_no_reshard"):
         labels.append(("gathered weights (most at once)", "gathered_weights"))
+    if t.get("sharding") in ("zero1", "zero2"):
+        labels.append(("gradient buckets (DeepSpeed)", "reduce_buffers"))
     labels += [("activations held at the loss", "held_at_loss"),
                ("loss (chunked, no logits tensor)", "loss"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
     for label, key in labels:

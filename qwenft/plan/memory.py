@@ -52,7 +52,8 @@ class TrainSetup:
     ``supervised``: the share of tokens projected onto the vocabulary by the loss. ``kernels``: ``train.kernels``
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
     ``sharding``: what FSDP / ZeRO shard (:func:`qwenft.plan.sharding.sharding_mode`) over ``processes``
-    (``plan.processes``).
+    (``plan.processes``); ``reduce_buffers`` x ``reduce_buffer_elements``: ZeRO-1/2's gradient staging buffers
+    (:func:`qwenft.plan.sharding.zero_reduce_buffers`).
     """
 
     device: str
@@ -70,6 +71,8 @@ class TrainSetup:
     kernels: str = "none"
     sharding: str = "none"
     processes: int = 1
+    reduce_buffers: int = 0
+    reduce_buffer_elements: int = 0
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
@@ -95,15 +98,18 @@ class TrainSetup:
         kernels = config.train.kernels  # an explicit choice is planned as given, whatever this machine has
         if kernels == "auto":
             kernels = resolve_kernels("auto", device == "cuda")
-        from qwenft.plan.sharding import sharding_mode
+        from qwenft.plan.sharding import sharding_mode, zero_reduce_buffers
 
         dcfg = config.dist
+        mode = sharding_mode(dcfg.strategy, dcfg.fsdp, dcfg.deepspeed)
+        buffers = zero_reduce_buffers(mode, dcfg.deepspeed) if config.plan.processes > 1 else {"count": 0, "elements": 0}
         return cls(device=device, nf4=nf4, double_quant=config.quant.double_quant,
                    model_bytes=DTYPE_BYTES[model_dtype], compute_bytes=DTYPE_BYTES[compute],
                    amp=precision in ("bf16", "fp16"), attn=config.model.attn_implementation, lora=config.lora,
                    gradient_checkpointing=config.train.gradient_checkpointing, optim=optim,
                    grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels,
-                   sharding=sharding_mode(dcfg.strategy, dcfg.fsdp, dcfg.deepspeed), processes=config.plan.processes)
+                   sharding=mode, processes=config.plan.processes, reduce_buffers=buffers["count"],
+                   reduce_buffer_elements=buffers["elements"])
 
 
 def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKSIZE) -> int:
@@ -322,7 +328,8 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
 
     Returns:
         ``weights``, ``lora_weights``, ``gradients``, ``optimizer_states`` (this process's shards),
-        ``gathered_weights`` (the most unsharded weight bytes held besides the shards), ``saved_activations`` (everything
+        ``gathered_weights`` (the most unsharded weight bytes held besides the shards), ``reduce_buffers`` (ZeRO-1/2
+        gradient staging), ``saved_activations`` (everything
         autograd saves without checkpointing), ``held_at_loss`` (activations alive when the loss runs: all of
         them, or the layer checkpoints), ``loss`` (the loss's own bytes), ``loss_phase``, ``layer_phase``,
         ``step_phase``, ``peak``.
@@ -363,10 +370,13 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     layer_phase += gather["layers"]
     held = (own["optimizer_states"] if steady else 0) + (grads if setup.grad_accum > 1 else 0)
     step_phase = grads + own["optimizer_states"] + own["step"]
-    static = weights + lora_w
+    # ZeRO-1/2 staging buffers: allocated whole on CUDA; on a CPU only the pages written (the LoRA gradients) count
+    elements = setup.reduce_buffer_elements
+    buffers = 4 * setup.reduce_buffers * (min(elements, n_lora) if setup.device == "cpu" else elements)
+    static = weights + lora_w + buffers
     peak = static + max(held + max(loss_phase, layer_phase), step_phase)
     return {"weights": weights, "lora_weights": lora_w, "gradients": grads, "optimizer_states": own["optimizer_states"],
-            "gathered_weights": max(gather.values()),
+            "gathered_weights": max(gather.values()), "reduce_buffers": buffers,
             "saved_activations": terms["layers"] + consts + terms["final"] + terms["loss_saved"],
             "held_at_loss": held_at_loss, "loss": loss,
             "loss_phase": loss_phase, "layer_phase": layer_phase, "step_phase": step_phase, "peak": peak}

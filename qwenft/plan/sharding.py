@@ -25,8 +25,9 @@ The sharding modes (``TrainSetup.sharding``, from ``dist.strategy`` and its pres
   group stays gathered from its forward to its backward, so at the loss all the weights are gathered too.
 
 Activations are per process in every mode: each process runs its own micro-batch of ``train.batch_size`` rows.
-Not modelled: FSDP's all-gather output buffer while it is copied out into the parameters (one group, briefly),
-the gradient reduce-scatter buffers, DeepSpeed's bucket buffers (``reduce_bucket_size``, ``allgather_bucket_size``)
+ZeRO-1/2 with ``contiguous_gradients`` stage gradients in ``reduce_bucket_size``-element buffers of the trainable
+parameters' dtype (fp32 LoRA), two of them with ``overlap_comm`` (DeepSpeed ``stage_1_and_2.py``,
+``setup_buckets``): :func:`zero_reduce_buffers`. Not modelled: FSDP's reduce-scatter buffers, ZeRO-3's buckets
 and the collectives' own memory (NCCL / gloo).
 """
 
@@ -108,3 +109,18 @@ def gathered(mode: str, processes: int, layer: int, head: int, everything: int) 
     if mode == "fsdp_no_reshard":
         return {"loss": everything, "at_gather": everything, "layers": everything}
     return {"loss": head, "at_gather": head, "layers": 2 * layer}  # zero3: gathered as they run, the next prefetched
+
+
+def zero_reduce_buffers(mode: str, deepspeed: Mapping[str, Any]) -> Dict[str, int]:
+    """ZeRO-1/2's gradient staging buffers: ``{"count": buffers, "elements": elements each}`` (zeros otherwise).
+
+    ``contiguous_gradients`` allocates one ``torch.empty(reduce_bucket_size)`` buffer, and a second one with
+    ``overlap_comm`` (DeepSpeed ``DeepSpeedZeroOptimizer.setup_buckets``); the ``dist=deepspeed_zero2`` preset's
+    2e8 elements in fp32 are 2 x 800 MB on a GPU, whatever the model. An "auto" size is left out (transformers fills
+    it from the hidden size, for ZeRO-3).
+    """
+    zero = deepspeed.get("zero_optimization") or {}
+    size = zero.get("reduce_bucket_size", 500_000_000)  # DeepSpeed's default
+    if mode not in ("zero1", "zero2") or not zero.get("contiguous_gradients", True) or not isinstance(size, int):
+        return {"count": 0, "elements": 0}
+    return {"count": 2 if zero.get("overlap_comm", False) else 1, "elements": int(size)}
