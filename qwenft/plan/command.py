@@ -62,9 +62,9 @@ SHARDED_ROWS = {
     "zero3": "weights, LoRA weights, gradients and AdamW states divided by the processes (ZeRO-3), plus the "
              "gathered weights: the running and the prefetched decoder layer, the embedding or lm_head at the loss",
     "fsdp": "weights, LoRA weights, gradients and AdamW states divided by the processes (FSDP2 full shard), plus the "
-            "gathered weights: lm_head and final norm (accelerate's tail group, kept from its forward through the "
-            "loss, twice while its all-gather is copied out) and in backward the running and the prefetched decoder "
-            "layer (plus one layer's copy-out)",
+            "gathered weights: lm_head and final norm (accelerate's tail group, kept from the loss to the end of "
+            "backward; 2 copies at its all-gather, 3 with gloo on CPU processes) and in backward the running and the "
+            "prefetched decoder layer",
     "fsdp_no_reshard": "gradients and AdamW states divided by the processes, weights sharded but all gathered from "
                        "forward to backward (FSDP2, reshard_after_forward=false)",
 }

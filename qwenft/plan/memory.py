@@ -351,7 +351,7 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     outside = by_part["embeddings"] + by_part["lm_head"] + final_norm
     head = (by_part["lm_head"] if by_part["lm_head"] else by_part["embeddings"]) + final_norm  # FSDP's tail group
     gather = gathered(setup.sharding, setup.processes, (by_part["total"] - outside + 4 * n_lora) // L, head,
-                      by_part["total"] + 4 * n_lora)
+                      by_part["total"] + 4 * n_lora, gloo=setup.device == "cpu")
     consts = L * terms["layer_constants"]
     shared = terms["final"]
     loss = terms["loss_saved"] + terms["loss_transient"]

@@ -14,11 +14,16 @@ The sharding modes (``TrainSetup.sharding``, from ``dist.strategy`` and its pres
   (with its LoRA weights), the input embedding (untied), and the tail ``[final norm, lm_head]`` (with the embedding
   when tied) wrapped with ``reshard_after_forward=False``; every parameter is split into ``N`` dim-0 chunks.
   A group's weights are all-gathered when it runs. The decoder layers are freed after their forward, re-gathered in
-  backward, and the next one is prefetched (``FSDPParamGroup.pre_backward`` -> ``_backward_prefetch``): two layers
-  at once. The tail stays gathered from its forward through the loss (qwenft's loss reads ``lm_head.weight`` whole,
-  ``qwenft.train.loss``). An all-gather writes into one flat buffer of the group and then copies it out into the
-  unsharded parameters (``foreach_all_gather_copy_out``), so each gather briefly holds the group twice: planned for
-  the tail (when every activation of the forward is held) and for the prefetched layer (torch 2.13
+  backward, and the next one is prefetched (``FSDPParamGroup.pre_backward`` -> ``_backward_prefetch``). The tail is
+  gathered when qwenft's loss runs the root forward (``qwenft.train.loss``: ``lm_head.weight`` whole) and stays
+  gathered to the end of backward: its lm_head output gets no gradient, so its post-backward reshard does not run
+  before the root's final callback (seen on 2 CPU processes: ``lm_head.weight`` is a plain tensor during layer 0's
+  backward, a DTensor after the final norm's forward). An all-gather writes into one flat buffer of the group and
+  then copies it out into the unsharded parameters (``foreach_all_gather_copy_out``): two copies of the group at
+  once; gloo (CPU processes) holds a third, its own flat output, until the work object is dropped (measured: 202 MiB
+  more peak for a 200 MiB ``all_gather_into_tensor``, and a tail gather of 3 x 545 MiB on the 0.5B:
+  benchmarks/dist_memory.py). Planned: the tail whole through the loss and the layers' backward, ``copies`` x the
+  tail at its gather, and in backward the running layer plus the prefetched one at its gather (torch 2.13
   ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, ``_fsdp_param_group.py``). The input embedding's
   gather, at the start of the forward, holds less than the tail's and is left out.
 - ``fsdp_no_reshard``: FSDP2 with ``reshard_after_forward: false`` (ZeRO-2-like): the shards persist and every
@@ -87,7 +92,7 @@ def shard(mode: str, processes: int, weights: int, lora_weights: int, gradients:
             "step": split(step, n) if optim else step}
 
 
-def gathered(mode: str, processes: int, layer: int, head: int, everything: int) -> Dict[str, int]:
+def gathered(mode: str, processes: int, layer: int, head: int, everything: int, gloo: bool = False) -> Dict[str, int]:
     """Bytes of unsharded weights a process holds besides its shards (see the module docstring for each mode).
 
     Args:
@@ -96,6 +101,7 @@ def gathered(mode: str, processes: int, layer: int, head: int, everything: int) 
         head: the lm_head with the final norm (FSDP's tail group; the embedding when tied), or for ZeRO-3 the
             largest matrix outside the layers.
         everything: all the weights (base and LoRA).
+        gloo: CPU processes (gloo's all-gather holds a third copy of the group, see the module docstring).
 
     Returns:
         ``loss``: held while the loss runs; ``at_gather``: held at the all-gather just before it (activations
@@ -104,8 +110,9 @@ def gathered(mode: str, processes: int, layer: int, head: int, everything: int) 
     """
     if processes == 1 or mode not in ("zero3", "fsdp", "fsdp_no_reshard"):
         return {"loss": 0, "at_gather": 0, "layers": 0}
-    if mode == "fsdp":  # the tail gathered (twice while copied out); backward: running + prefetched (+ its copy)
-        return {"loss": head, "at_gather": 2 * head, "layers": 3 * layer}
+    copies = 3 if gloo else 2  # a group at its all-gather: flat buffer + unsharded parameters (+ gloo's output)
+    if mode == "fsdp":  # the tail through the loss and backward; backward: running layer + the prefetched at its gather
+        return {"loss": head, "at_gather": copies * head, "layers": head + (1 + copies) * layer}
     if mode == "fsdp_no_reshard":
         return {"loss": everything, "at_gather": everything, "layers": everything}
     return {"loss": head, "at_gather": head, "layers": 2 * layer}  # zero3: gathered as they run, the next prefetched
