@@ -364,15 +364,6 @@ def test_planner_and_training_choose_the_same_optimizer_and_precision():
     assert resolve_precision("fp16", "float32", native=False) == "fp16"
 
 
-def test_plan_says_its_numbers_are_per_process_and_unsharded_under_fsdp():
-    """The planner models one process holding the whole model: said as such, and under a sharding strategy the
-    table and a note say the sharded rows are not divided (a fresh user read the FSDP plan as the sharded one)."""
-    one = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.device=cuda"))["training"]
-    assert one["dist_strategy"] == "none" and one["scope"].startswith("per process; every process holds")
-    fsdp = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.device=cuda", "dist=fsdp"))["training"]
-    assert fsdp["dist_strategy"] == "fsdp" and "shards the weights" in fsdp["scope"]
-
-
 def test_result_console_width_when_rich_holds_a_stale_environ(monkeypatch):
     """rich's Console reads COLUMNS from the os.environ it saw when imported (a class attribute); after a library
     replaced os.environ, that copy is stale. The width off a terminal comes from the current os.environ."""

@@ -221,10 +221,13 @@ class PlanConfig:
     fits / largest-batch answers. ``context_len``: KV-cache length to plan for (null: ``data.max_seq_len``).
     ``supervised_fraction``: the share of tokens with a label; qwenft's trainer projects only those onto the
     vocabulary (1.0, the default, is the upper bound: every token, as with ``data.train_on=all``).
+    ``processes``: how many processes train together (``torchrun --nproc_per_node`` x nodes); under FSDP / DeepSpeed
+    ZeRO the training rows are one process's share after sharding (:mod:`qwenft.plan.sharding`).
     ``out``: a JSON file for the whole plan.
     """
 
     gpu_gb: float = 24.0
+    processes: int = 1
     context_len: Optional[int] = None
     device: str = "cuda"
     reserve_gb: float = 1.0
@@ -240,6 +243,8 @@ class PlanConfig:
         _check(0 < self.supervised_fraction <= 1, "plan.supervised_fraction", self.supervised_fraction,
                "must be in (0, 1]")
         _check(self.out is None or bool(self.out), "plan.out", self.out, "must be a file path or null")
+        _check(self.processes >= 1, "plan.processes", self.processes,
+               "must be >= 1 (the processes training together, e.g. torchrun --nproc_per_node)")
 
 
 @dataclass

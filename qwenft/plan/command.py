@@ -55,6 +55,32 @@ def _largest_seq(arch: Architecture, setup: TrainSetup, batch: int, budget: int)
     return low
 
 
+SHARDED_ROWS = {
+    "zero1": "AdamW states divided by the processes; weights, LoRA weights and gradients whole",
+    "zero2": "gradients and AdamW states divided by the processes (ZeRO-2); weights and LoRA weights whole; plus "
+             "DeepSpeed's gradient buckets (reduce_bucket_size fp32 elements, two with overlap_comm)",
+    "zero3": "weights, LoRA weights, gradients and AdamW states divided by the processes (ZeRO-3), plus the "
+             "gathered weights: the running and the prefetched decoder layer, the embedding or lm_head at the loss",
+    "fsdp": "weights, LoRA weights, gradients and AdamW states divided by the processes (FSDP2 full shard), plus the "
+            "gathered weights: lm_head and final norm (accelerate's tail group, kept from the loss to the end of "
+            "backward; 2 copies at its all-gather, 3 with gloo on CPU processes) and in backward the running and the "
+            "prefetched decoder layer",
+    "fsdp_no_reshard": "gradients and AdamW states divided by the processes, weights sharded but all gathered from "
+                       "forward to backward (FSDP2, reshard_after_forward=false)",
+}
+
+
+def _scope(mode: str, processes: int) -> str:
+    """What the training rows mean: ``"<scope>; <what is divided and gathered>"`` (see :mod:`qwenft.plan.sharding`)."""
+    if mode == "none":
+        return "per process; every process holds all of it"
+    if processes == 1:
+        return (f"per process, one process: {mode} shards nothing over one process; set plan.processes to the "
+                "number of processes for the per-process numbers")
+    return (f"per process after sharding over {processes} processes; {SHARDED_ROWS[mode]}; activations are per "
+            "process (each has its own micro-batch); collective buffers not counted")
+
+
 def make_plan(config: Config) -> Dict[str, Any]:
     """The whole plan for ``config`` as a JSON-ready dict (all sizes in bytes, counts in parameters).
 
@@ -62,7 +88,8 @@ def make_plan(config: Config) -> Dict[str, Any]:
     ``model.rope_scaling``, the scaling and the original context), ``warnings`` (e.g. ``data.max_seq_len``
     beyond the context without scaling), ``parameters`` (by component),
     ``weights`` (16-bit, as loaded, during training), ``lora``, ``training`` (the configured batch x seq with
-    and without gradient checkpointing), ``evaluation`` (the evaluation's peak and its parts,
+    and without gradient checkpointing, per process: after sharding over ``plan.processes`` under FSDP / ZeRO,
+    ``sharding`` naming the mode of :mod:`qwenft.plan.sharding` and ``scope`` what it divides), ``evaluation`` (the evaluation's peak and its parts,
     :func:`qwenft.plan.evaluation.evaluation_memory`), ``kv_cache``, ``inference`` and ``budget`` (fits, largest
     batch per sequence length, longest sequence at the configured batch).
 
@@ -78,12 +105,9 @@ def make_plan(config: Config) -> Dict[str, Any]:
                                                                                  rope))
     warning = context_warning(config.data.max_seq_len, unscaled.max_position_embeddings, rope)
     strategy = config.dist.strategy
-    # The formulas model one process holding the whole model (one GPU, or each DDP rank); sharding is not modelled.
-    scope = ("per process; every process holds all of it" if strategy in ("none", "ddp") else
-             f"per process as if unsharded: dist.strategy={strategy} shards the weights, gradients and optimizer "
-             "states over the processes (not modelled here: divide those rows by the process count for an estimate)")
     pcfg = config.plan
     setup = TrainSetup.from_config(config, device=pcfg.device)
+    scope = _scope(setup.sharding, pcfg.processes)
     nf4 = setup.nf4
     counts = parameter_counts(arch)
     batch, seq = config.train.batch_size, config.data.max_seq_len
@@ -115,7 +139,8 @@ def make_plan(config: Config) -> Dict[str, Any]:
         "lora": {"r": config.lora.r, "target_modules": list(config.lora.target_modules), "trainable": n_lora,
                  "percent_of_base": 100.0 * n_lora / counts["total"]},
         "training": {"device": setup.device, "quant": config.quant.method, "autocast": setup.amp,
-                     "dist_strategy": strategy, "scope": scope,
+                     "dist_strategy": strategy, "sharding": setup.sharding, "processes": pcfg.processes,
+                     "scope": scope,
                      "optimizer": setup.optim, "kernels": setup.kernels, "attn_implementation": setup.attn,
                      "batch_size": batch,
                      "supervised_fraction": setup.supervised,
@@ -183,13 +208,18 @@ def render(plan: Dict[str, Any], console=None) -> None:
         mark = " (config)" if (name == "with_checkpointing") == t["gradient_checkpointing"] else ""
         table.add_column(name.replace("_", " ") + mark, justify="right", overflow="fold")
     labels = [("weights", "weights"), ("LoRA weights (fp32)", "lora_weights"), ("gradients", "gradients"),
-              ("optimizer states", "optimizer_states"), ("activations held at the loss", "held_at_loss"),
-              ("loss (chunked, no logits tensor)", "loss"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
+              ("optimizer states", "optimizer_states")]
+    if t.get("sharding", "none") in ("zero3", "fsdp", "fsdp_no_reshard"):
+        labels.append(("gathered weights (most at once)", "gathered_weights"))
+    if t.get("sharding") in ("zero1", "zero2"):
+        labels.append(("gradient buckets (DeepSpeed)", "reduce_buffers"))
+    labels += [("activations held at the loss", "held_at_loss"),
+               ("loss (chunked, no logits tensor)", "loss"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
     for label, key in labels:
         table.add_row(label, *(_size(t[name][key]) for name in ("with_checkpointing", "without_checkpointing")))
     console.print(table)
-    if t["dist_strategy"] not in ("none", "ddp"):
-        console.print(f"[yellow]note:[/yellow] {t['scope']}")
+    if t.get("sharding", "none") != "none":
+        console.print(f"[yellow]{t['sharding']}:[/yellow] {t['scope']}")
     ev = plan["evaluation"]
     console.print(f"Evaluation peak on {ev['device']}: {_size(ev['peak'])} = weights {_size(ev['weights'])}"
                   f"{' (NF4 dequantized)' if ev['dequantized'] else ''} + LoRA {_size(ev['lora_weights'])}"

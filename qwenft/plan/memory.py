@@ -51,6 +51,9 @@ class TrainSetup:
     a CPU and under FSDP / DeepSpeed); ``amp`` follows :func:`qwenft.runtime.resolve_precision`.
     ``supervised``: the share of tokens projected onto the vocabulary by the loss. ``kernels``: ``train.kernels``
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
+    ``sharding``: what FSDP / ZeRO shard (:func:`qwenft.plan.sharding.sharding_mode`) over ``processes``
+    (``plan.processes``); ``reduce_buffers`` x ``reduce_buffer_elements``: ZeRO-1/2's gradient staging buffers
+    (:func:`qwenft.plan.sharding.zero_reduce_buffers`).
     """
 
     device: str
@@ -66,6 +69,10 @@ class TrainSetup:
     grad_accum: int = 1
     supervised: float = 1.0
     kernels: str = "none"
+    sharding: str = "none"
+    processes: int = 1
+    reduce_buffers: int = 0
+    reduce_buffer_elements: int = 0
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
@@ -91,11 +98,18 @@ class TrainSetup:
         kernels = config.train.kernels  # an explicit choice is planned as given, whatever this machine has
         if kernels == "auto":
             kernels = resolve_kernels("auto", device == "cuda")
+        from qwenft.plan.sharding import sharding_mode, zero_reduce_buffers
+
+        dcfg = config.dist
+        mode = sharding_mode(dcfg.strategy, dcfg.fsdp, dcfg.deepspeed)
+        buffers = zero_reduce_buffers(mode, dcfg.deepspeed) if config.plan.processes > 1 else {"count": 0, "elements": 0}
         return cls(device=device, nf4=nf4, double_quant=config.quant.double_quant,
                    model_bytes=DTYPE_BYTES[model_dtype], compute_bytes=DTYPE_BYTES[compute],
                    amp=precision in ("bf16", "fp16"), attn=config.model.attn_implementation, lora=config.lora,
                    gradient_checkpointing=config.train.gradient_checkpointing, optim=optim,
-                   grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels)
+                   grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels,
+                   sharding=mode, processes=config.plan.processes, reduce_buffers=buffers["count"],
+                   reduce_buffer_elements=buffers["elements"])
 
 
 def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKSIZE) -> int:
@@ -307,37 +321,62 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     holds one layer's activations being recomputed (checkpointing), the gradient temporaries, a dequantized
     NF4 weight and the LoRA gradients so far; the step holds gradients, states and the step's temporaries.
 
+    Per process: under FSDP / ZeRO (``setup.sharding`` over ``setup.processes``) the static rows are one process's
+    shards (:func:`qwenft.plan.sharding.shard`) and the loss and layer phases add the weights gathered at that
+    moment (:func:`qwenft.plan.sharding.gathered`); activations are never divided (each process has its own
+    micro-batch of ``batch`` rows).
+
     Returns:
-        ``weights``, ``lora_weights``, ``gradients``, ``optimizer_states``, ``saved_activations`` (everything
+        ``weights``, ``lora_weights``, ``gradients``, ``optimizer_states`` (this process's shards),
+        ``gathered_weights`` (the most unsharded weight bytes held besides the shards), ``reduce_buffers`` (ZeRO-1/2
+        gradient staging), ``saved_activations`` (everything
         autograd saves without checkpointing), ``held_at_loss`` (activations alive when the loss runs: all of
         them, or the layer checkpoints), ``loss`` (the loss's own bytes), ``loss_phase``, ``layer_phase``,
         ``step_phase``, ``peak``.
     """
     from qwenft.plan.arch import lora_parameter_count
+    from qwenft.plan.sharding import gathered, shard
 
     terms = activation_terms(arch, setup, batch, seq)
     L = arch.num_hidden_layers
-    weights = training_weight_bytes(arch, setup)["total"]
+    by_part = training_weight_bytes(arch, setup)
     n_lora = lora_parameter_count(arch, setup.lora)
-    lora_w, grads = 4 * n_lora, 4 * n_lora
     optim = optimizer_bytes(arch, setup)
+    own = shard(setup.sharding, setup.processes, by_part["total"], 4 * n_lora, 4 * n_lora, optim["states"],
+                optim["step"])
+    weights, lora_w, grads = own["weights"], own["lora_weights"], own["gradients"]
+    layer_grads = 4 * n_lora // L  # one layer's LoRA gradients, whole until FSDP / ZeRO reduce-scatters them
+    # outside the decoder layers: embeddings, lm_head and the final norm (one of the 2L + 1 norms)
+    final_norm = by_part["norms"] // (2 * L + 1)
+    outside = by_part["embeddings"] + by_part["lm_head"] + final_norm
+    head = (by_part["lm_head"] if by_part["lm_head"] else by_part["embeddings"]) + final_norm  # FSDP's tail group
+    gather = gathered(setup.sharding, setup.processes, (by_part["total"] - outside + 4 * n_lora) // L, head,
+                      by_part["total"] + 4 * n_lora, gloo=setup.device == "cpu")
     consts = L * terms["layer_constants"]
     shared = terms["final"]
     loss = terms["loss_saved"] + terms["loss_transient"]
     transient = terms["backward_transient"] + terms["dequant_transient"]
     one_layer = batch * seq * terms["per_token_layer"] + terms["layer_constants"]
     if setup.gradient_checkpointing:
+        held_at_loss = terms["checkpoints"] + shared
         loss_phase = terms["checkpoints"] + shared + loss
         ckpt, per_ckpt = terms["checkpoints"], terms["checkpoints"] // L
-        layer_phase = shared + one_layer + transient + max(ckpt + grads // L, per_ckpt + grads)
+        layer_phase = shared + one_layer + transient + max(ckpt + layer_grads, per_ckpt + grads)
     else:
+        held_at_loss = terms["layers"] + consts + shared
         loss_phase = terms["layers"] + consts + shared + loss
-        layer_phase = terms["layers"] + consts + shared + transient + grads // L
-    held = (optim["states"] if steady else 0) + (grads if setup.grad_accum > 1 else 0)
-    step_phase = grads + optim["states"] + optim["step"]
-    static = weights + lora_w
+        layer_phase = terms["layers"] + consts + shared + transient + layer_grads
+    loss_phase = max(loss_phase + gather["loss"], loss_phase - loss + gather["at_gather"])
+    layer_phase += gather["layers"]
+    held = (own["optimizer_states"] if steady else 0) + (grads if setup.grad_accum > 1 else 0)
+    step_phase = grads + own["optimizer_states"] + own["step"]
+    # ZeRO-1/2 staging buffers: allocated whole on CUDA; on a CPU only the pages written (the LoRA gradients) count
+    elements = setup.reduce_buffer_elements
+    buffers = 4 * setup.reduce_buffers * (min(elements, n_lora) if setup.device == "cpu" else elements)
+    static = weights + lora_w + buffers
     peak = static + max(held + max(loss_phase, layer_phase), step_phase)
-    return {"weights": weights, "lora_weights": lora_w, "gradients": grads, "optimizer_states": optim["states"],
+    return {"weights": weights, "lora_weights": lora_w, "gradients": grads, "optimizer_states": own["optimizer_states"],
+            "gathered_weights": max(gather.values()), "reduce_buffers": buffers,
             "saved_activations": terms["layers"] + consts + terms["final"] + terms["loss_saved"],
-            "held_at_loss": loss_phase - loss, "loss": loss,
+            "held_at_loss": held_at_loss, "loss": loss,
             "loss_phase": loss_phase, "layer_phase": layer_phase, "step_phase": step_phase, "peak": peak}

@@ -1,0 +1,113 @@
+"""`qwenft plan` under FSDP / DeepSpeed ZeRO: per-process rows after sharding over ``plan.processes``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qwenft.config import ConfigError
+from qwenft.plan import make_plan
+from tests.conftest import compose_config
+
+SEVEN_B = ("model=qwen2.5-7b-instruct", "plan.device=cuda")
+SHARDED = ("weights", "lora_weights", "gradients", "optimizer_states")
+PER_PROCESS = ("held_at_loss", "loss", "saved_activations")  # each process runs its own micro-batch
+
+
+def training(*overrides: str) -> dict:
+    return make_plan(compose_config(*SEVEN_B, *overrides))["training"]
+
+
+def halves(whole: int) -> int:
+    return math.ceil(whole / 2)  # a shard is rounded up (FSDP2 pads the last dim-0 chunk)
+
+
+@pytest.mark.parametrize("ckpt", ["with_checkpointing", "without_checkpointing"])
+def test_fsdp_over_two_processes_halves_the_sharded_rows_and_leaves_activations(ckpt):
+    one, two = training("dist=fsdp")[ckpt], training("dist=fsdp", "plan.processes=2")[ckpt]
+    for key in SHARDED:
+        assert two[key] == halves(one[key]) and one[key] > 0, key
+    for key in PER_PROCESS:
+        assert two[key] == one[key], key
+    assert one["gathered_weights"] == 0 < two["gathered_weights"]
+    # 2 x (lm_head + final norm) while the tail group's all-gather is copied out: the 7B's untied lm_head in bf16
+    # (kept in the autocast dtype), the NF4 default's norm in fp32 (k-bit preparation)
+    assert two["gathered_weights"] == 2 * (152064 * 3584 * 2 + 3584 * 4)
+    # the weights fall by half of 15.2 GB, the gathered lm_head (2.2 GB at its gather) takes some of it back
+    assert one["peak"] - two["peak"] > 0.25 * one["weights"]
+
+
+def test_fsdp_on_cpu_processes_plans_gloos_third_copy_at_a_gather():
+    """gloo's all-gather keeps its own flat output until the work is dropped (measured: +202 MiB peak for a 200 MiB
+    all_gather_into_tensor; the 0.5B's tail gather took 3 x 545 MiB, benchmarks/results/dist_memory.json)."""
+    cuda = training("dist=fsdp", "plan.processes=2")["without_checkpointing"]
+    cpu = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.device=cpu", "dist=fsdp",
+                                   "plan.processes=2"))["training"]["without_checkpointing"]
+    assert cpu["gathered_weights"] * 2 == cuda["gathered_weights"] * 3
+
+
+def test_unsharded_strategies_hold_everything_in_every_process():
+    base = training()
+    for dist in ("dist=ddp", "dist=none"):
+        ddp = training(dist, "plan.processes=4")
+        assert ddp["with_checkpointing"] == base["with_checkpointing"], dist
+        assert ddp["scope"].startswith("per process; every process holds")
+    # fsdp planned for one process: nothing divided, and the scope says to set plan.processes
+    alone = training("dist=fsdp")
+    assert alone["sharding"] == "fsdp" and "set plan.processes" in alone["scope"]
+    assert alone["with_checkpointing"]["gathered_weights"] == 0
+
+
+def test_zero2_shards_gradients_and_states_but_not_weights():
+    one, two = (training("dist=deepspeed_zero2", *extra)["with_checkpointing"] for extra in ((), ("plan.processes=2",)))
+    assert two["weights"] == one["weights"] and two["lora_weights"] == one["lora_weights"]
+    assert two["gradients"] == halves(one["gradients"])
+    assert two["optimizer_states"] == halves(one["optimizer_states"])
+    assert two["gathered_weights"] == 0 and two["held_at_loss"] == one["held_at_loss"]
+    # the preset's contiguous_gradients + overlap_comm: two fp32 buffers of reduce_bucket_size = 2e8 elements
+    assert two["reduce_buffers"] == 2 * 200_000_000 * 4 and one["reduce_buffers"] == 0
+
+
+def test_zero3_shards_everything_and_gathers_layers():
+    one = training("dist=deepspeed_zero3")["without_checkpointing"]
+    four = training("dist=deepspeed_zero3", "plan.processes=4")
+    rows = four["without_checkpointing"]
+    assert four["sharding"] == "zero3" and "over 4 processes" in four["scope"]
+    for key in SHARDED:
+        assert rows[key] == math.ceil(one[key] / 4), key
+    assert rows["held_at_loss"] == one["held_at_loss"]
+    assert 0 < rows["gathered_weights"] < one["weights"] / 4  # a few modules at a time, never the whole model
+
+
+def test_fsdp_without_reshard_after_forward_gathers_everything():
+    two = training("dist=fsdp", "plan.processes=2", "dist.fsdp.reshard_after_forward=false")
+    rows = two["without_checkpointing"]
+    assert two["sharding"] == "fsdp_no_reshard"
+    assert rows["gathered_weights"] > rows["weights"]  # all of it gathered, besides the shards
+
+
+def test_budget_and_largest_batch_follow_the_processes():
+    """The fits / largest-batch answers use the per-process peak: 7B bf16 LoRA (15.9 GiB planned) does not fit a
+    12 GiB GPU, and over 4 FSDP processes (6.2 GiB each) it does."""
+    common = (*SEVEN_B, "quant=none", "dist=fsdp", "data.max_seq_len=512", "plan.gpu_gb=12")
+    one = make_plan(compose_config(*common))["budget"]
+    four = make_plan(compose_config(*common, "plan.processes=4"))["budget"]
+    assert not one["fits"] and four["fits"] and four["peak"] < one["peak"]
+    assert four["largest_batch"][0]["batch_size"] > one["largest_batch"][0]["batch_size"]
+
+
+def test_processes_must_be_positive():
+    for bad in ("0", "-2"):
+        with pytest.raises(ConfigError, match="plan.processes") as info:
+            compose_config(f"plan.processes={bad}")
+        assert len(str(info.value).splitlines()) == 1
+
+
+def test_rendered_plan_says_what_is_modelled(capsys):
+    from qwenft.plan.command import render
+
+    render(make_plan(compose_config(*SEVEN_B, "dist=fsdp", "plan.processes=2")))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "after sharding over 2 processes" in out and "gathered weights" in out
+    assert "divide those rows" not in out
