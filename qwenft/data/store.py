@@ -217,8 +217,6 @@ def _build(entry: Path, shards: Path, batches: Iterable[Sequence[dict]], map_sha
                     pending, before = None, pending
                     if before is not None:
                         before.result()  # the shard before: done, or its error raised here, in file order
-                    if current is not None:
-                        current.finish()
                     pending = pool.submit(_finish_shard, shards, shard, current, map_shard)
                     shard, filled, current = shard + 1, 0, None
         pending, before = None, pending
@@ -247,7 +245,7 @@ def _finish_shard(shards: Path, shard: int, current: Optional[ShardInput], map_s
 
     if current is None:
         return
-    current.finish()  # a no-op when already finished
+    current.finish()
     try:
         part = datasets.Dataset.from_file(str(current.path))
         mapped = map_shard(part, str(shards / f".{shard:05d}.{os.getpid()}.tmp.arrow"), f"shard {shard + 1}")
