@@ -31,8 +31,8 @@ one pass); the script exits with status 1, after saving the JSON, when a float32
 (its default, ``softmax_dtype=None``: ~3 significant digits) while qwenft's runs in fp32, so near ties may flip.
 
 Model: the embedded Qwen2.5-Coder-0.5B-Instruct, ``AutoModelForCausalLM.from_pretrained(dir, dtype=...)`` per dtype
-(float32 then bfloat16), eval mode. ``--quick`` (alias ``--tiny``): the tiny-random model over the project's own
-small MMLU subset (data/bench), 2 subjects x 2 questions, for the suite's quick mode and the test (seconds).
+(float32 then bfloat16), eval mode. ``--quick`` (alias ``--tiny``): the tiny-random model, 2 subjects x 2
+questions, for the suite's quick mode and the test (seconds; the test gives invented files in MMLU's layout).
 
     python benchmarks/bench_eval.py                    # 4 subjects x 16 questions, float32 + bfloat16, batch 8
     python benchmarks/bench_eval.py --dtypes float32 --subjects 4 --per-subject 12
@@ -44,7 +44,8 @@ subjects seed 0 picks have 286-474-token prompts, of which the shots are 243-414
 4.1x the tokens qwenft does (at 6 a subject 3.2x, and the ratio measured 2.6x / 2.4x on 2026-12-01 at load 5-7; at a
 whole subject, ~100-550 questions, the shots are shared far more widely).
 
-Skips (exit status 0, a line starting with ``SKIPPED:``, no JSON) when ../shared/data/bench/mmlu is absent.
+Skips (exit status 0, a line starting with ``SKIPPED:``, no JSON) when ``--data``'s (default ../shared/data/bench)
+mmlu/ is absent: qwenft ships no benchmark data.
 Results: benchmarks/results/bench_eval.json (bench_eval_quick.json).
 """
 
@@ -64,7 +65,6 @@ from benchmarks.common import environment, print_table, save_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_BENCH = ROOT.parent / "shared" / "data" / "bench"
-OWN_BENCH = ROOT / "data" / "bench"
 FP32_TOLERANCE = 1e-3  # nats: largest float32 |log-likelihood difference| (and differing-prediction margin) allowed
 ARMS = ("qwenft", "hflm")
 
@@ -220,17 +220,17 @@ def run_dtype(dtype_name: str, model_dir: str, bench, samples, batch: int) -> Di
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", "--tiny", action="store_true",
-                        help="tiny-random model, the project's data/bench MMLU subset, 2 subjects x 2 questions")
+                        help="tiny-random model, 2 subjects x 2 questions")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes, run in order")
     parser.add_argument("--subjects", type=int, default=None, help="MMLU subjects (default 4; quick 2)")
     parser.add_argument("--per-subject", type=int, default=None, help="questions per subject (default 16; quick 2)")
     parser.add_argument("--batch", type=int, default=8, help="batch_size of both arms")
     parser.add_argument("--seed", type=int, default=0, help="eval.bench_seed: which subjects and questions")
     parser.add_argument("--data", default=None, help="directory holding mmlu/ (default ../shared/data/bench; "
-                                                     "quick: data/bench)")
+                                                     "qwenft ships no benchmark data)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
-    data = Path(args.data) if args.data else (OWN_BENCH if args.quick else SHARED_BENCH)
+    data = Path(args.data) if args.data else SHARED_BENCH
     if not (data / "mmlu").is_dir():
         print(f"SKIPPED: {data / 'mmlu'} is not present (this benchmark reads MMLU's CSVs)")
         return 0

@@ -11,6 +11,7 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("QWENFT_BENCH_DATA", None)  # a developer's export must not change what a test reads
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -47,6 +48,14 @@ def tiny_config(tmp_path):
     """A validated config for the tiny-random model, with its own run directory."""
     config = compose_config("model=tiny-random", f"out_dir={tmp_path / 'run'}")
     return config
+
+
+@pytest.fixture(scope="session")
+def bench_dir(tmp_path_factory) -> Path:
+    """Invented MMLU and GSM8K files in the published layouts (tests/bench_files.py): qwenft ships no benchmark data."""
+    from tests.bench_files import write_bench
+
+    return write_bench(tmp_path_factory.mktemp("bench_data"))
 
 
 @pytest.fixture(scope="session")

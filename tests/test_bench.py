@@ -25,7 +25,6 @@ from qwenft.evaluate.bench_score import MAX_ROWS_FACTOR, MIN_PREFIX, full_forwar
 from qwenft.evaluate.bench_tasks import select
 from tests.conftest import ROOT, compose_config
 
-BENCH = ROOT / "data" / "bench"
 LETTERS = ["A", "B", "C", "D"]
 
 
@@ -42,6 +41,14 @@ def mmlu_block(row: list) -> str:
 
 def mmlu_description(subject: str) -> str:
     return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+@pytest.fixture(autouse=True)
+def bench_env(bench_dir, monkeypatch):
+    """Every test here finds the invented benchmark files through $QWENFT_BENCH_DATA (eval.bench_data is empty by
+    default: qwenft ships no benchmark data)."""
+    monkeypatch.setenv("QWENFT_BENCH_DATA", str(bench_dir))
+    return bench_dir
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +77,16 @@ def record_loglikelihood(monkeypatch) -> list:
 
 
 # ------------------------------------------------------------------------------ 1. local tasks and their prompts
-def test_prepare_loads_the_shipped_mmlu_and_gsm8k_as_lm_eval_tasks():
+def test_prepare_loads_mmlu_and_gsm8k_files_as_lm_eval_tasks(bench_dir):
     from lm_eval.api.task import ConfigurableTask
+    from tests.bench_files import SUBJECTS
+
+    BENCH = bench_dir
 
     config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu, gsm8k]", command="eval")
     mmlu, gsm8k = bench_tasks.prepare(config)
     subjects = sorted(p.name[:-len("_test.csv")] for p in (BENCH / "mmlu" / "test").glob("*_test.csv"))
-    assert mmlu.name == "mmlu" and sorted(mmlu.tasks) == [f"mmlu_{s}" for s in subjects] and len(subjects) == 57
+    assert mmlu.name == "mmlu" and sorted(mmlu.tasks) == [f"mmlu_{s}" for s in subjects] and subjects == list(SUBJECTS)
     assert mmlu.source == str(BENCH / "mmlu") and (mmlu.metric, mmlu.filter, mmlu.shots) == ("acc", "none", 5)
     assert all(isinstance(t, ConfigurableTask) and t.OUTPUT_TYPE == "multiple_choice" for t in mmlu.tasks.values())
     # no limit: every row of every test CSV is asked
@@ -97,7 +107,7 @@ def test_prepare_loads_the_shipped_mmlu_and_gsm8k_as_lm_eval_tasks():
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, chat, monkeypatch):
+def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, chat, monkeypatch, bench_dir):
     """README: "benchmark prompts are plain text as lm-eval renders them (no chat template) unless
     eval.bench_chat_template=true". The contexts are the ones lm-eval hands QwenftLM on the run's code path
     (BenchRunner.run_side), checked character for character against the subject's CSVs."""
@@ -105,6 +115,7 @@ def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, cha
     from qwenft.generation import Sampler
 
     model, tokenizer = tiny
+    BENCH = bench_dir
     assert "<|im_start|>" in tokenizer.chat_template  # ChatML, as Qwen2.5
     config = compose_config("model=tiny-random", "quant=none", "eval.benchmarks=[mmlu]", "eval.bench_limit=2",
                             f"eval.bench_chat_template={str(chat).lower()}", command="eval")
@@ -179,7 +190,7 @@ def test_bench_limit_selects_the_same_questions_for_the_same_seed():
 
 
 def test_more_subtasks_than_there_are_or_than_the_limit_reaches_is_said(caplog):
-    """bench_subtasks is lowered, never refused: the warning says to what (the shipped MMLU has 57 subjects)."""
+    """bench_subtasks is lowered, never refused: the warning says to what (the test files have 5 subjects)."""
     def prepare(*extra):
         config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", *extra, command="eval")
         caplog.clear()
@@ -188,11 +199,11 @@ def test_more_subtasks_than_there_are_or_than_the_limit_reaches_is_said(caplog):
         return bench, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
     bench, warned = prepare("eval.bench_subtasks=100")
-    assert bench.subjects == 57 and warned == ["eval.bench_subtasks=100 but mmlu has 57 subtasks: all 57 are used"]
-    bench, warned = prepare("eval.bench_subtasks=8", "eval.bench_limit=4")
-    assert bench.subjects == 4 and warned == ["eval.bench_limit=4 < eval.bench_subtasks=8: mmlu draws one question "
-                                              "from each of 4 subtasks"]
-    assert prepare("eval.bench_subtasks=8", "eval.bench_limit=16")[1] == []
+    assert bench.subjects == 5 and warned == ["eval.bench_subtasks=100 but mmlu has 5 subtasks: all 5 are used"]
+    bench, warned = prepare("eval.bench_subtasks=4", "eval.bench_limit=3")
+    assert bench.subjects == 3 and warned == ["eval.bench_limit=3 < eval.bench_subtasks=4: mmlu draws one question "
+                                              "from each of 3 subtasks"]
+    assert prepare("eval.bench_subtasks=4", "eval.bench_limit=16")[1] == []
 
 
 # ----------------------------------------------------------------- 3. prefix-cached scores == the full forward
@@ -366,8 +377,8 @@ def count_loads(monkeypatch) -> dict:
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
-    """A 1-step tiny-random `train` whose evaluation asks 3 MMLU questions (the shipped subset) on both sides."""
+def bench_run(tmp_path_factory, bench_dir):
+    """A 1-step tiny-random `train` whose evaluation asks 3 MMLU questions (invented files) on both sides."""
     from tests.test_train import run_cli, train_overrides
 
     tmp = tmp_path_factory.mktemp("bench")
@@ -375,7 +386,8 @@ def bench_run(tmp_path_factory):
     args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
     started = time.perf_counter()
     result = run_cli([*args, "train.max_steps=1", "eval.max_new_tokens=4", "eval.batch_size=4",
-                      "eval.benchmarks=[mmlu]", "eval.bench_limit=3"], patch=COUNT_LOADS)
+                      "eval.benchmarks=[mmlu]", "eval.bench_limit=3", f"eval.bench_data=[{bench_dir}]"],
+                     patch=COUNT_LOADS)
     return tmp, run_dir, result, time.perf_counter() - started
 
 
@@ -439,6 +451,7 @@ def mmlu_dir(tmp_path: Path, subject: str, test_rows: list) -> Path:
 
 
 def test_bad_data_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("QWENFT_BENCH_DATA")
     base = ["model=tiny-random", "quant=none", "data.sources=[]"]
     out = tmp_path / "run"
     refused = run_in_process(["eval", *base, "eval.benchmarks=[mmlu]", "eval.bench_data=[/nonexistent]",
@@ -480,6 +493,55 @@ def test_bad_data_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatc
     refused = run_in_process(["train", *args, "eval.after_train=true",
                               "eval.benchmarks=[gsm8k]", "eval.bench_data=[/nonexistent]"], capsys, monkeypatch)
     assert_refused(*refused, out, "eval.benchmarks: gsm8k", "/nonexistent/gsm8k")
+
+
+def test_bench_data_then_the_environment_is_searched(tmp_path, bench_dir, capsys, monkeypatch):
+    """qwenft ships no benchmark data: eval.bench_data's directories come first, then $QWENFT_BENCH_DATA's (joined
+    by os.pathsep); with neither, the error says both ways to point at the files."""
+    import os
+
+    def source(*extra):
+        config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", "eval.bench_limit=1", *extra,
+                                command="eval")
+        return bench_tasks.prepare(config)[0].source
+
+    monkeypatch.setenv("QWENFT_BENCH_DATA", os.pathsep.join([str(tmp_path / "none"), "", str(bench_dir)]))
+    assert source() == str(bench_dir / "mmlu")  # the second entry of the variable (an empty one is no entry)
+    mine = mmlu_dir(tmp_path / "mine", "anatomy", [["q1?", "a", "b", "c", "d", "A"]])
+    assert source(f"eval.bench_data=[{mine}]") == str(mine / "mmlu")  # the config's before the variable's
+    monkeypatch.delenv("QWENFT_BENCH_DATA")
+    out = tmp_path / "run"
+    refused = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]", "eval.benchmarks=[mmlu]",
+                              f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "eval.benchmarks: mmlu: no data directory",
+                   "eval.bench_data is empty and $QWENFT_BENCH_DATA is unset", "eval.bench_data=[DIR]",
+                   "qwenft ships none")
+    refused = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]", "eval.benchmarks=[mmlu]",
+                              "eval.bench_missing=maybe", f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, "eval.bench_missing='maybe'", "error, skip")
+
+
+def test_bench_missing_skip_runs_the_rest_and_says_what_was_skipped(tmp_path, bench_dir, capsys, monkeypatch):
+    """eval.bench_missing=skip (the quickstart and domain recipes): a benchmark without data is left out with a
+    warning, the others run, and metrics.json / report.md say which was skipped and why."""
+    monkeypatch.delenv("QWENFT_BENCH_DATA")
+    only_gsm8k = tmp_path / "only_gsm8k"
+    only_gsm8k.mkdir()
+    (only_gsm8k / "gsm8k").symlink_to(bench_dir / "gsm8k")
+    out = tmp_path / "run"
+    code, err, loads = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]",
+                                       "eval.benchmarks=[mmlu, gsm8k]", "eval.bench_missing=skip",
+                                       f"eval.bench_data=[{only_gsm8k}]", "eval.bench_limit=1",
+                                       "eval.bench_max_gen_tokens=2", f"out_dir={out}"], capsys, monkeypatch)
+    assert code == 0, err[-20:]
+    assert loads == {"load_model": 1, "from_pretrained": 1}
+    assert "[WARNING] - benchmark mmlu skipped (eval.bench_missing=skip): no data" in (out / "eval.log").read_text()
+    evaluated = json.loads((out / "metrics.json").read_text())["eval"]
+    assert set(evaluated["benchmarks"]) == {"gsm8k"} and evaluated["benchmarks"]["gsm8k"]["n"] == 1
+    assert set(evaluated["benchmarks_skipped"]) == {"mmlu"}
+    assert str(only_gsm8k / "mmlu") in evaluated["benchmarks_skipped"]["mmlu"]
+    report = (out / "report.md").read_text()
+    assert f"- mmlu: skipped, no data directory; tried {only_gsm8k / 'mmlu'}" in report.split("## Benchmarks", 1)[1]
 
 
 def test_unknown_benchmark_name_is_refused(tmp_path, capsys, monkeypatch):

@@ -140,10 +140,11 @@ def test_sampler_benchmark_pairs_steps_and_checks_the_forward_inputs(tmp_path):
             assert _positive(row[key]), (key, row)
 
 
-def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path):
+def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path, bench_dir):
     """benchmarks/bench_eval.py --quick: qwenft's lm-eval model and lm-eval's HFLM on the same tiny-random model and
-    MMLU questions (the project's data/bench), in ABBA order, float32 and bfloat16; the JSON has every field."""
-    proc = subprocess.run([sys.executable, "benchmarks/bench_eval.py", "--quick"], cwd=ROOT, env=_env(tmp_path),
+    MMLU questions (invented files in MMLU's layout), in ABBA order, float32 and bfloat16; the JSON has every field."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_eval.py", "--quick", "--data", str(bench_dir)], cwd=ROOT,
+                          env=_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_eval_quick.json").read_text())

@@ -80,7 +80,8 @@ def test_every_recipe_composes():
             config = compose_config(f"+recipe={name}", command=command)
         except ConfigError as exc:  # a recipe whose one key to set is the data file
             assert "data.sources.N.path=FILE" in str(exc), (name, str(exc))
-            config = compose_config(f"+recipe={name}", f"data.sources.0.path={ROOT / 'data' / 'domain.jsonl'}")
+            config = compose_config(f"+recipe={name}", f"data.sources.0.path={ROOT / 'data' / 'domain.jsonl'}",
+                                    command=command)
         assert config.run_name == name, f"recipe {name} should set run_name: {name}"
         assert all(source.path for source in config.data.sources)
 

@@ -41,10 +41,11 @@ def train_overrides(tmp_path: Path, out_dir: Path, *extra: str) -> list:
             "train.gradient_checkpointing=false", *extra]
 
 
-def run_cli(args: list, patch: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m qwenft train ARGS`` in a new process, after executing ``patch`` (test-only hooks)."""
+def run_cli(args: list, patch: str = "", timeout: int = 300, env: dict = None) -> subprocess.CompletedProcess:
+    """Run ``python -m qwenft train ARGS`` in a new process, after executing ``patch`` (test-only hooks); ``env``
+    adds to the environment."""
     script = "import sys\n" + patch + "\nfrom qwenft.cli import main\nmain(sys.argv[1:])\n"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
     return subprocess.run([sys.executable, "-c", script, "train", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 

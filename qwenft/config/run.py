@@ -140,10 +140,12 @@ class EvalConfig:
     samples_in_report: int = 5
     # Benchmarks (qwenft.evaluate.bench): lm-evaluation-harness tasks scored base vs tuned in the same process.
     # Built in and offline: mmlu, ceval (5-shot, the answer letter's log-likelihood), gsm8k (5-shot, greedy, final
-    # number), read from the first directory of bench_data holding NAME/; any other lm-eval task name loads its own
-    # data (online), and bench_tasks=DIR adds a directory of lm-eval task YAMLs.
+    # number), read from the first directory of bench_data (then of $QWENFT_BENCH_DATA) holding NAME/: qwenft ships
+    # no benchmark data. bench_missing: error (refuse the run) or skip (warn, say so in report.md) when none holds it.
+    # Any other lm-eval task name loads its own data (online), and bench_tasks=DIR adds a directory of task YAMLs.
     benchmarks: List[str] = field(default_factory=list)
-    bench_data: List[str] = field(default_factory=lambda: ["${qwenft_root:}/data/bench"])
+    bench_data: List[str] = field(default_factory=list)
+    bench_missing: str = "error"
     bench_tasks: Optional[str] = None
     bench_limit: Optional[int] = None   # questions per benchmark, sampled across subjects (seeded), same both sides
     bench_subtasks: Optional[int] = None  # draw the questions from this many subtasks (subjects; seeded) at most:
@@ -166,6 +168,7 @@ class EvalConfig:
                "must be null (every subtask) or >= 1")
         _check(self.bench_max_gen_tokens is None or self.bench_max_gen_tokens >= 1, "eval.bench_max_gen_tokens",
                self.bench_max_gen_tokens, "must be null (the task's) or >= 1")
+        _check_choice("eval.bench_missing", self.bench_missing, ("error", "skip"))
         _check(0.0 <= self.correct_threshold <= 1.0, "eval.correct_threshold", self.correct_threshold,
                "must be in [0, 1]")
         check_gate_values(self.gates)

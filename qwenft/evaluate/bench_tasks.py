@@ -1,6 +1,7 @@
 """Which benchmark questions an evaluation asks: lm-eval tasks over local files, checked before any model loads.
 
-Built in, offline (the data read from the first directory of ``eval.bench_data`` that holds ``NAME/``):
+Built in, offline (the data read from the first directory of ``eval.bench_data``, then ``$QWENFT_BENCH_DATA``, that
+holds ``NAME/``: :mod:`qwenft.evaluate.bench_data`):
 
 ==========  ==================================================================  =====================================
 name        files                                                               lm-eval task (its YAML, unchanged but
@@ -242,23 +243,6 @@ def _builtin(name: str, folder: Path) -> Dict[str, Dict[str, Any]]:
 BUILTIN = BUILTIN_BENCHMARKS  # name -> (metric, filter): one home, qwenft.config.gates
 
 
-def data_folder(name: str, dirs: List[str]) -> Path:
-    """The first ``DIR/name`` of ``eval.bench_data`` that is a directory.
-
-    Raises:
-        ConfigError: none is (naming each directory tried).
-    """
-    from qwenft.data import resolve_path
-
-    tried = [resolve_path(d) / name for d in dirs]
-    for folder in tried:
-        if folder.is_dir():
-            return folder
-    where = ", ".join(str(t) for t in tried) or "nothing (eval.bench_data is empty)"
-    raise ConfigError(f"eval.benchmarks: {name}: no data directory; tried {where}. Point eval.bench_data at a "
-                      f"directory holding {name}/ (the project ships a small mmlu/ and gsm8k/ in data/bench)")
-
-
 # --- user tasks and lm-eval's registry ----------------------------------------------------------------------------
 def _registry(config: Config, name: str) -> Dict[str, Any]:
     """lm-eval ``Task`` objects for ``name`` from ``eval.bench_tasks`` or lm-eval's registry."""
@@ -358,7 +342,8 @@ def prepare(config: Config) -> List[Benchmark]:
     """Resolve ``eval.benchmarks`` into lm-eval tasks with their questions chosen, before any model loads.
 
     Raises:
-        ConfigError: an unknown benchmark name, a missing data directory or file, a task lm-eval rejects.
+        ConfigError: an unknown benchmark name, a missing data directory (unless ``eval.bench_missing=skip``: then the
+            benchmark is left out with a warning) or file, a task lm-eval rejects.
         QwenftError: a data file row without its answer (file, row, field).
     """
     if not config.eval.benchmarks:
@@ -369,8 +354,13 @@ def prepare(config: Config) -> List[Benchmark]:
         task_log.addFilter(_CustomDatasetNotice())
     from lm_eval.api.task import ConfigurableTask
 
+    from qwenft.evaluate.bench_data import data_folder, warn_skipped
+
     out = []
+    skip = warn_skipped(config)
     for name in config.eval.benchmarks:
+        if name in skip:
+            continue
         if name in BUILTIN:
             folder = data_folder(name, config.eval.bench_data)
             tasks = {}

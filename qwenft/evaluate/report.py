@@ -183,7 +183,7 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
         lines += metric_table(by_side) + [""]
     if "metrics" in plots:
         lines += [f"![metrics]({plots['metrics'].name})", ""]
-    lines += benchmark_lines(ev.get("benchmarks"))
+    lines += benchmark_lines(ev.get("benchmarks"), ev.get("benchmarks_skipped"))
     if ev["perplexity"]:
         both = any("ratio" in by_side for by_side in ev["perplexity"].values())
         sides = ["base", "tuned"] if both else [s for s in ("base", "tuned")
@@ -233,6 +233,8 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
     metrics["memory"] = {**metrics.get("memory", {}), **report.get("memory", {})}  # each phase's peak: train, eval
     if report.get("benchmarks"):
         metrics["eval"]["benchmarks"] = report["benchmarks"]
+    if report.get("bench_skipped"):
+        metrics["eval"]["benchmarks_skipped"] = report["bench_skipped"]
     metrics["eval"].update(judge(config, report))
     both = any("tuned" in by for by in [*report["sources"].values(), *(report.get("benchmarks") or {}).values()])
     flips = find_flips(config, report) if both else None

@@ -196,6 +196,9 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchma
         log.info("evaluated %s", side)
     if runner is not None:
         report["benchmarks"], report["bench_rows"] = runner.report()
+    from qwenft.evaluate.bench_data import skipped
+
+    report["bench_skipped"] = skipped(config)  # eval.bench_missing=skip and no data found: said in report.md
     for name, by_side in report["sources"].items():
         if "base" in by_side and "tuned" in by_side:
             by_side["delta"] = {k: by_side["tuned"][k] - by_side["base"][k] for k in by_side["base"]

@@ -198,14 +198,19 @@ def verdict_lines(config: Config, ev: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def benchmark_lines(benchmarks: Optional[Dict[str, Dict[str, Any]]]) -> List[str]:
+def benchmark_lines(benchmarks: Optional[Dict[str, Dict[str, Any]]],
+                    skipped: Optional[Dict[str, str]] = None) -> List[str]:
     """report.md's "Benchmarks" section from ``report["benchmarks"]``; no lines when there are none.
 
     Table ``| benchmark | n | base | tuned | delta | 95% CI |`` (the CI of the paired difference tuned - base), then
     the CI methods used; without a tuned side (``eval`` without ``adapter=``) ``| benchmark | metric | n | base |``.
+    ``skipped`` (``{name: reason}``, ``eval.bench_missing=skip``) adds a line per benchmark left out for want of data.
     """
+    gone = [f"- {name}: skipped, {reason}" for name, reason in (skipped or {}).items()]
     if not benchmarks:
-        return []
+        return ["## Benchmarks", "", *gone, ""] if gone else []
+    if gone:
+        return [*benchmark_lines(benchmarks), *gone, ""]
     if not any("tuned" in b for b in benchmarks.values()):  # the base alone: no empty tuned / delta / CI columns
         return ["## Benchmarks", "", "| benchmark | metric | n | base |", "|---|---|---|---|",
                 *(f"| {name} | {b.get('metric')} | {b.get('n')} | {_num(b.get('base'))} |"
