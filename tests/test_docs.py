@@ -229,11 +229,14 @@ def test_every_qwenft_command_validates():
     """What ``--cfg job`` does for each command of the pages: compose it with its overrides as typed and validate
     it, in this process (no model is loaded)."""
     register_resolvers()
-    seen = 0
+    seen, done = 0, set()
     for page in PAGES:
         for command, overrides, multirun in qwenft_commands(read(page)):
             if any(a.startswith("+recipe=") and a.endswith(".yaml") for a in overrides):
                 continue  # a recipe file written by `qwenft recipes cp` (its path is checked above)
+            if (command, tuple(overrides), multirun) in done:
+                continue  # the same line on another page (a composition costs about a second)
+            done.add((command, tuple(overrides), multirun))
             try:
                 configs = validate(command, recipe_overrides(free_form(overrides)), multirun=multirun)
             except ConfigError as exc:
@@ -242,7 +245,7 @@ def test_every_qwenft_command_validates():
                 raise AssertionError(f"{page.name}: {command} {' '.join(overrides)}: {exc}") from exc
             assert configs, (page.name, command, overrides)
             seen += 1
-    assert seen >= 35
+    assert seen >= 30
 
 
 def test_validation_sees_a_bad_key():
