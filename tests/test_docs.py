@@ -180,6 +180,9 @@ def test_every_page_is_in_the_nav_and_the_readme_links_to_each():
     assert not broken, broken
     assert "evalscore" in anchors(ROOT / "docs" / "eval.md")  # the slug as MkDocs makes it (checked by its build)
     assert len(read(README).splitlines()) <= 150
+    first = blocks(read(README))[0][1].splitlines()  # the two commands come first: run the main job; run the tests
+    assert [line.rpartition("&& ")[2] for line in first] == ["python -m qwenft train +recipe=quickstart",
+                                                             "python -m pytest -q"]
 
 
 # --- the commands -----------------------------------------------------------------------------------------------
