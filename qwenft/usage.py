@@ -135,7 +135,7 @@ def _values(command: str, overrides: Sequence[str]) -> Dict[str, str]:
 
 def command_help(command: str, one_line: str, overrides: Sequence[str] = ()) -> str:
     """The text of ``python -m qwenft COMMAND --help``: what the command does, the keys it reads with their values
-    under ``overrides``, examples, and where the rest is (``--cfg job``, the README)."""
+    under ``overrides``, examples, and where the rest is (``--cfg job``, docs/)."""
     values = _values(command, overrides)
     lines = [f"usage: python -m qwenft {command} [key=value ...] [+recipe=NAME] [-m] [--cfg job]", "",
              one_line, "", f"keys {command} reads (value now):"]

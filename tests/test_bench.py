@@ -108,7 +108,7 @@ def test_prepare_loads_mmlu_and_gsm8k_files_as_lm_eval_tasks(bench_dir):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, chat, monkeypatch, bench_dir):
-    """README: "benchmark prompts are plain text as lm-eval renders them (no chat template) unless
+    """docs/eval.md: "benchmark prompts are plain text as lm-eval renders them (no chat template) unless
     eval.bench_chat_template=true". The contexts are the ones lm-eval hands QwenftLM on the run's code path
     (BenchRunner.run_side), checked character for character against the subject's CSVs."""
     from qwenft.evaluate.bench_run import BenchRunner

@@ -1,5 +1,5 @@
-"""Serving hand-off: which adapters vLLM serves unmerged (qwenft.model.serving) checked against the README's table and
-against adapters qwenft itself writes; the --max-lora-rank rule; the serve commands of merge (printed, model card);
+"""Serving hand-off: which adapters vLLM serves unmerged (qwenft.model.serving) checked against docs/serve.md's table
+and against adapters qwenft itself writes; the --max-lora-rank rule; the serve commands of merge (printed, model card);
 the one warning of eval."""
 
 from __future__ import annotations
@@ -17,25 +17,25 @@ from qwenft.model.serving import (VLLM_CHECKED_KEYS, VLLM_MAX_LORA_RANKS, VLLM_Q
                                   vllm_max_lora_rank, vllm_support)
 from tests.conftest import ROOT, compose_config
 
-README = ROOT / "README.md"
+SERVE_PAGE = ROOT / "docs" / "serve.md"
 
-# One value per README row that the row does not allow (a DoRA adapter, LoRA on lm_head, ...).
+# One value per table row that the row does not allow (a DoRA adapter, LoRA on lm_head, ...).
 NOT_SERVABLE = {"peft_type": "LOHA", "r": 1024, "target_modules": ["q_proj", "lm_head"], "use_dora": True,
                 "modules_to_save": ["lm_head"], "bias": "all", "lora_bias": True, "rank_pattern": {"q_proj": 8},
                 "alpha_pattern": {"q_proj": 8}, "trainable_token_indices": [151665]}
 
 
-def readme_serve_section() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index("\n### Serve\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+def serve_section() -> str:
+    text = SERVE_PAGE.read_text(encoding="utf-8")
+    start = text.index("\n## vLLM, llama.cpp and Ollama\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
-def readme_table() -> dict:
-    """``{key: (allowed JSON values, the cell's text)}`` from the README's "what vLLM serves" table."""
+def docs_table() -> dict:
+    """``{key: (allowed JSON values, the cell's text)}`` from docs/serve.md's "what vLLM serves" table."""
     rows = {}
-    for line in readme_serve_section().splitlines():
+    for line in serve_section().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 2 or not cells[0].startswith("`"):
             continue
@@ -44,7 +44,7 @@ def readme_table() -> dict:
     return rows
 
 
-def servable_by_readme(key: str, value, allowed: list, cell: str) -> bool:
+def servable_by_docs(key: str, value, allowed: list, cell: str) -> bool:
     if key == "r":
         assert cell.startswith("at most"), cell
         return value <= allowed[0]
@@ -72,10 +72,10 @@ def qwenft_adapter(tmp_path_factory) -> Path:
     return path
 
 
-def test_readme_table_is_the_rule():
+def test_docs_table_is_the_rule():
     """The table lists exactly the keys the rule reads, the same targets and the same largest rank; every row's
     allowed values pass the rule and a value outside them is refused with the key named."""
-    table = readme_table()
+    table = docs_table()
     assert set(table) == set(VLLM_CHECKED_KEYS)
     assert table["target_modules"][0] == list(VLLM_QWEN2_TARGETS)
     assert table["r"][0] == [VLLM_MAX_LORA_RANKS[-1]]
@@ -83,33 +83,33 @@ def test_readme_table_is_the_rule():
         for value in allowed:
             assert vllm_support({key: value}) == [], (key, value)
         bad = NOT_SERVABLE[key]
-        assert not servable_by_readme(key, bad, allowed, cell), key
+        assert not servable_by_docs(key, bad, allowed, cell), key
         reasons = vllm_support({key: bad})
         assert len(reasons) == 1 and key in reasons[0], (key, reasons)
 
 
-def test_readme_states_vllms_ranks():
-    ranks = re.search(r"vLLM accepts only ([\d, or]+)", " ".join(readme_serve_section().split())).group(1)
+def test_docs_state_vllms_ranks():
+    ranks = re.search(r"vLLM accepts only ([\d, or]+)", " ".join(serve_section().split())).group(1)
     assert tuple(int(n) for n in re.findall(r"\d+", ranks)) == VLLM_MAX_LORA_RANKS
 
 
-def test_qwenft_adapter_config_is_servable_as_the_readme_says(qwenft_adapter):
+def test_qwenft_adapter_config_is_servable_as_the_docs_say(qwenft_adapter):
     """The adapter_config.json qwenft writes (default LoRA: all 7 projections) has every key of the table, each with
     a value the table allows; and every target qwenft can train is one vLLM serves."""
     config = read_adapter_config(qwenft_adapter)
-    for key, (allowed, cell) in readme_table().items():
+    for key, (allowed, cell) in docs_table().items():
         assert key in config, f"peft no longer writes {key!r}"
-        assert servable_by_readme(key, config[key], allowed, cell), (key, config[key])
+        assert servable_by_docs(key, config[key], allowed, cell), (key, config[key])
     assert set(config["target_modules"]) == set(ALL_TARGETS)
-    assert set(ALL_TARGETS) <= set(readme_table()["target_modules"][0])
+    assert set(ALL_TARGETS) <= set(docs_table()["target_modules"][0])
     assert vllm_support(config) == []
 
 
 @pytest.mark.parametrize("override, key", [("lora.use_dora=true", "use_dora"), ("lora.bias=all", "bias")])
 def test_qwenft_adapters_vllm_cannot_serve(tmp_path, override, key):
     config = make_qwenft_adapter(tmp_path / "adapter", override)
-    table = readme_table()
-    assert not servable_by_readme(key, config[key], *table[key])
+    table = docs_table()
+    assert not servable_by_docs(key, config[key], *table[key])
     reasons = vllm_support(config)
     assert len(reasons) == 1 and key in reasons[0]
 

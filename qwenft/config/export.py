@@ -20,7 +20,7 @@ W4A16_METHODS = ("gptq", "awq")
 QUANTIZE_METHODS = GGUF_METHODS + W4A16_METHODS
 QUANTIZE_KEYS = ("quantize", "calibration_rows", "calibration_seed")  # what is made from a merge, not how it is made
 
-# The tested versions (README "Quantize"; `None`: any version). llm-compressor 0.14.0.1's metadata pins
+# The tested versions (docs/merge.md "Installing"; `None`: any version). llm-compressor 0.14.0.1's metadata pins
 # transformers<=5.17 and auto-round; qwenft ships transformers 5.24 and the GPTQ/AWQ paths import neither auto-round
 # nor anything else it pins, so it is installed with --no-deps (the `quantize` extra brings compressed-tensors and
 # loguru, its imports on those paths).

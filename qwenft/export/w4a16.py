@@ -16,7 +16,7 @@ The recipe, written once here (:data:`RECIPES`), follows llm-compressor's W4A16 
   decoder over the calibration set (~30 MFLOP a token for the 0.5B) plus the pipeline's own two.
   :data:`AWQ_GRID` = 6 grid points (the identity, then ``a`` = 0, 0.25, 0.5, 0.75, 1; llm-compressor's default 20
   steps ``a`` by 1/18) and :data:`AWQ_BATCH` = 16 rows a batch make the 0.5B's AWQ fit the issue's 10 minutes on 2
-  cores at 128 rows (README "Quantize" has the measured times and costs). Batched rows are right-padded and the
+  cores at 128 rows (docs/merge.md "Quantize" has the measured times and costs). Batched rows are right-padded and the
   padding carries ``loss_mask`` 0, so AWQ's activation means and its grid-search error count real tokens only
   (``use_loss_mask``); with right padding a real token never attends to a pad, so the search sees what row-by-row
   calibration sees. GPTQ stays at one row a batch: its Hessian has no mask, and padding would enter it.
