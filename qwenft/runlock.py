@@ -129,6 +129,44 @@ def _probe(path) -> Optional[Tuple[str, bool]]:
         os.close(fd)
 
 
+def lock_held(path) -> bool:
+    """Whether a live process holds the OS lock of the lock file ``path`` (``flock`` refuses it; a filesystem without
+    ``flock`` counts as held: who holds it cannot be told there, as in :func:`holder_text`).
+
+    Raises:
+        OSError: the OS refuses to open the file (or, when it is missing, to create it): the reason the lock cannot
+            be taken.
+    """
+    from filelock import lock_descriptor, unlock_descriptor
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)  # flock needs no write access; the holder may be another user
+    except FileNotFoundError:  # the lock could not create it: creating it says why (or it is free after all)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            free = lock_descriptor(fd, blocking=False)
+        except OSError:
+            return True
+        if free:
+            unlock_descriptor(fd)
+        return not free
+    finally:
+        os.close(fd)
+
+
+def os_reason(exc: OSError) -> str:
+    """The OS's reason in ``exc``; for a file a folder that exists refused to create (ENOENT: a pseudo filesystem
+    such as /proc), that said too."""
+    reason = exc.strerror or str(exc)
+    name = Path(exc.filename) if isinstance(exc.filename, str) else None
+    if isinstance(exc, FileNotFoundError) and name is not None and name.parent.is_dir():
+        reason += f" (the folder {name.parent} exists but takes no new files there)"
+    return reason
+
+
 def holder_text(path) -> Optional[str]:
     """The text of ``path`` (:func:`write_locked`) while its writer lives; None when the file is missing or was
     left by a process that is gone."""
@@ -178,7 +216,8 @@ class RunLock:
 
         Raises:
             RunLocked: a live process holds it: one line naming the directory and that process's id.
-            QwenftError: the lock file cannot be created (e.g. no permission), naming it.
+            QwenftError: the OS refuses the lock file (no permission, a read-only or pseudo filesystem such as
+                /proc): one line naming it and the OS's reason, never "in use".
         """
         from filelock import FileLock, Timeout  # here: 45 ms to import, which --help and plan need not pay
 
@@ -193,21 +232,42 @@ class RunLock:
                     lock.acquire(timeout=0)
                     break
                 except Timeout:
+                    # filelock times out also when the OS refuses the file (a folder that takes no new files, as
+                    # /proc): "in use" only when a live process is seen holding it, else the OS's reason
                     pid = self.holder()  # None: the holder has not written it yet, or has just let go: try again
-                    if pid is not None or time.monotonic() > deadline:  # (what it created is the holder's now)
+                    held = pid is not None or lock_held(self.path)
+                    if pid is not None or (held and time.monotonic() > deadline):
                         who = f"process {pid}" if pid is not None else "another process"
                         raise RunLocked(f"{self.key}={self.directory} is in use by {who} (it holds {self.path}); "
                                         f"wait for it to end or choose another {self.key}") from None
+                    if time.monotonic() > deadline:  # free each time it was looked at, yet never taken
+                        self._remove_created()
+                        raise QwenftError(f"{self.key}={self.directory}: cannot lock {self.path}, though no process "
+                                          "holds it") from None
                     time.sleep(0.05)
         except OSError as exc:
-            raise QwenftError(f"{self.key}={self.directory}: cannot lock {self.path}: {exc.strerror or exc}") from None
+            self._remove_created()
+            raise QwenftError(f"{self.key}={self.directory}: cannot lock {self.path}: {os_reason(exc)}") from None
         self._lock = lock
         try:
             self._pid_fd = write_locked(self.pid_path, f"{os.getpid()}\n")
-        except BaseException:
+        except BaseException as exc:
             self.release()
+            if isinstance(exc, OSError):
+                raise QwenftError(f"{self.key}={self.directory}: cannot write {self.pid_path}: "
+                                  f"{os_reason(exc)}") from None
             raise
         return self
+
+    def _remove_created(self) -> None:
+        """Remove the folders :meth:`acquire` created, each when nothing but the lock file is in it."""
+        for folder in self._created:
+            try:
+                if folder == self.path.parent and {p.name for p in folder.iterdir()} <= {self.path.name}:
+                    self.path.unlink(missing_ok=True)
+                folder.rmdir()
+            except OSError:  # gone already, or something else is in it: kept
+                pass
 
     def release(self) -> None:
         """Let the lock go; removes the pid file, and the folders :meth:`acquire` created if nothing else was put
@@ -216,13 +276,7 @@ class RunLock:
             return
         try:
             self.pid_path.unlink(missing_ok=True)
-            for folder in self._created:  # before letting go: whoever finds the folder gone afterwards makes its own
-                try:
-                    if folder == self.path.parent and {p.name for p in folder.iterdir()} <= {self.path.name}:
-                        self.path.unlink(missing_ok=True)
-                    folder.rmdir()
-                except OSError:  # gone already, or something else is in it: kept
-                    pass
+            self._remove_created()  # before letting go: whoever finds the folder gone afterwards makes its own
         finally:
             if self._pid_fd is not None:
                 os.close(self._pid_fd)

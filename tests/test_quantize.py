@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,56 @@ def test_an_unknown_method_exits_2_with_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "merge.quantize='gguf-iq2' is not accepted" in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bare_method_is_a_one_item_list(tmp_path):
+    """merge.quantize=gguf-q4_k_m (no brackets) is the list [gguf-q4_k_m], as lora.target_modules=q_proj is: the
+    method's own check answers, not OmegaConf's "not a ListConfig" (found by a new-user pass)."""
+    from qwenft.hydra_app import free_form
+
+    assert free_form(["merge.quantize=gguf-q4_k_m", "merge.quantize=gguf-q8_0,gptq", "merge.quantize=[awq]",
+                      "merge.quantize=[]"]) == ["merge.quantize=[gguf-q4_k_m]", "merge.quantize=[gguf-q8_0,gptq]",
+                                                "merge.quantize=[awq]", "merge.quantize=[]"]
+    result = run_cli("merge", f"adapter={tmp_path}", f"out={tmp_path / 'out'}", "merge.quantize=gguf-q4_k_m")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "merge.quantize='gguf-q4_k_m' is not accepted; llama.cpp quantizes the merge's f16 GGUF and no GGUF is " \
+           "written (merge.gguf=none): also pass merge.gguf=f16" in lines[0], lines[0]
+    # Where no override is rewritten (a recipe file, a composed config) one value for a list says the bracket form.
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# @package _global_\nmerge:\n  quantize: gguf-q4_k_m\n")
+    for overrides, where in ((["merge.quantize=gguf-q4_k_m"], ""), ([f"+recipe={recipe}"], f" (in recipe file {recipe})")):
+        with pytest.raises(ConfigError) as error:
+            compose_config(*overrides, command="merge")
+        assert str(error.value) == ("merge.quantize=gguf-q4_k_m: a list is expected, in brackets: "
+                                    f"merge.quantize=[gguf-q4_k_m]{where}")
+
+
+def test_a_finished_merge_with_other_settings_names_them(tmp_path):
+    """A non-empty out= holding a finished merge made with other settings: the refusal names each recorded setting
+    that differs (there vs here) and the overrides that reuse the merge (was "exists and is not empty")."""
+    from qwenft.export import MARKER, _request, merge
+    from qwenft.model.adapter import resolve_base
+
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none")
+    out = tmp_path / "out"
+    finished = merge_config(adapter, out, "merge.gguf=f16", "merge.dtype=float32")
+    model, quant, _ = resolve_base(finished.model, finished.quant, adapter)
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"request": _request(adapter, model, quant, finished)}))
+    with pytest.raises(QwenftError) as refused:  # as adding merge.quantize=[gptq] is typed: merge.gguf left out
+        merge(merge_config(adapter, out, "merge.dtype=bfloat16", "merge.calibration_rows=8"), device="cpu")
+    assert str(refused.value) == (
+        f"out={out}: holds a finished merge made with other settings (merge.dtype: float32 there, bfloat16 here; "
+        "merge.gguf: f16 there, none here); to reuse it (merge.quantize then adds only its artifacts) pass "
+        "merge.dtype=float32 merge.gguf=f16, or choose another out= or pass merge.overwrite=true to replace it")
+    with pytest.raises(QwenftError, match="holds a merge whose files are not as recorded"):  # same settings
+        merge(finished, device="cpu")
+    (out / MARKER).unlink()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(QwenftError, match="exists and is not empty; choose another out="):
+        merge(finished, device="cpu")
 
 
 def test_group_size_must_divide_every_width():
@@ -143,6 +194,30 @@ def test_cost_table_and_the_card_section():
     assert middle == f"# m\n\n{QUANTIZED_HEADING}\n\nnew\n\n## Later\n\ny\n"
 
 
+def test_rows_measured_in_another_run_say_when():
+    """A run that adds an artifact re-measures the 16-bit merge and keeps the earlier rows: the table then says when
+    each row was measured (tokens/s of two runs are not comparable); rows of one run need no such column."""
+    from qwenft.export.card import cost_table
+    from qwenft.export.costs import public, stamp
+
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", stamp())
+    reference = _entry(1.0, 9, 200, "transformers")
+    earlier = {"16-bit": {**reference, "measured": "2026-12-01 10:00:00 UTC"},
+               "gguf-q8_0": {**_entry(1.001, 9, 199), "measured": "2026-12-01 10:00:00 UTC"}}
+    assert "measured" not in cost_table(earlier, "16-bit").splitlines()[0]
+    now = {**earlier, "16-bit": {**reference, "measured": "2026-12-02 22:00:00 UTC"},
+           "gguf-q4_k_m": public({**_entry(1.04, 9, 190), "sources": {}}, "2026-12-02 22:00:00 UTC"),
+           "awq": {"error": "RuntimeError: x", "measured": "2026-12-02 22:00:00 UTC"}, "gptq": _entry(1.1, 8, 180)}
+    table = cost_table(now, "16-bit").splitlines()
+    assert table[0].endswith("| decode tok/s | measured |") and table[1] == "|" + "---|" * 7
+    assert table[2].startswith("| 16-bit |") and table[2].endswith("| 2026-12-02 22:00:00 UTC |")
+    assert table[3].startswith("| gguf-q8_0 |") and table[3].endswith("| 2026-12-01 10:00:00 UTC |")
+    assert table[4].endswith("| 2026-12-02 22:00:00 UTC |")
+    assert table[5] == "| awq | not measured: RuntimeError: x |  |  |  |  | 2026-12-02 22:00:00 UTC |"
+    assert table[6].startswith("| gptq |") and table[6].endswith("| an earlier run |")  # recorded without a time
+    assert {len(row.split(" | ")) for row in table[2:]} == {len(table[0].split(" | "))}
+
+
 def test_quantize_settings_are_not_part_of_the_merges_identity(tmp_path):
     from qwenft.export import _request
     from qwenft.model.adapter import resolve_base
@@ -213,6 +288,57 @@ def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
     # A merge directory without an f16 GGUF cannot feed a GGUF method.
     with pytest.raises(QwenftError, match="holds no f16 GGUF to quantize"):
         check_request(config, json.loads((out / "config.json").read_text()), None)
+
+
+def test_adding_an_artifact_keeps_the_earlier_rows_and_says_when(tmp_path, monkeypatch, capsys):
+    """A run that adds an artifact to a quantized merge measures the 16-bit merge and the new artifact, keeps the other
+    rows as they were, and the table says when each row was measured (was: one table of two runs' tokens/s, unmarked);
+    each progress bar names the artifact it measures (was "generate (base, domain)"). llama.cpp's quantizer is
+    replaced by a copy of the f16 GGUF: what is tested is the bookkeeping; the K-quants run end to end above."""
+    pytest.importorskip("llama_cpp")
+    import shutil
+
+    import tqdm.auto
+
+    import qwenft.export.costs as costs_module
+    import qwenft.export.gguf_quant as gguf_quant
+    from qwenft.export import merge
+
+    bars = []
+
+    class Recorded(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            bars.append(kwargs.get("desc"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_quant, "quantize_gguf", lambda source, target, method: shutil.copyfile(source, target))
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none")
+    out = tmp_path / "merged"
+    first, later = "2030-01-01 00:00:00 UTC", "2030-01-02 00:00:00 UTC"
+    monkeypatch.setattr(costs_module, "stamp", lambda: first)
+    merge(merge_config(adapter, out, "merge.dtype=float32", "merge.gguf=f16", "merge.quantize=[gguf-q8_0]",
+                       *SMALL_EVAL), device="cpu")
+    before = json.loads((out / "qwenft_merge.json").read_text())["costs"]["artifacts"]
+    assert {label: entry["measured"] for label, entry in before.items()} == dict.fromkeys(before, first)
+    assert "| measured |" not in capsys.readouterr().out  # one run: no column
+    assert "measure 16-bit (domain)" in bars and "measure gguf-q8_0 (llama.cpp)" in bars, bars
+    assert "measure gguf-f16 (llama.cpp)" in bars and not [b for b in bars if b and b.startswith("generate")], bars
+
+    monkeypatch.setattr(costs_module, "stamp", lambda: later)
+    bars.clear()
+    merge(merge_config(adapter, out, "merge.dtype=float32", "merge.gguf=f16", "merge.quantize=[gguf-q8_0,gguf-q6_k]",
+                       *SMALL_EVAL), device="cpu")
+    printed = capsys.readouterr().out
+    after = json.loads((out / "qwenft_merge.json").read_text())["costs"]["artifacts"]
+    assert list(after) == ["16-bit", "gguf-f16", "gguf-q8_0", "gguf-q6_k"]
+    assert after["16-bit"]["measured"] == after["gguf-q6_k"]["measured"] == later
+    assert after["gguf-f16"] == before["gguf-f16"] and after["gguf-q8_0"] == before["gguf-q8_0"]  # kept as measured
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in printed.splitlines() if line.startswith("| ")}
+    assert rows["artifact"].endswith("| decode tok/s | measured |"), printed
+    assert rows["16-bit"].endswith(f"| {later} |") and rows["gguf-q8_0"].endswith(f"| {first} |"), printed
+    assert "measure gguf-q6_k (llama.cpp)" in bars and "measure gguf-q8_0 (llama.cpp)" not in bars, bars
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import qwenft.runlock as runlock
+from qwenft.config import QwenftError
 from qwenft.runlock import LOCK_NAME, PID_NAME, RunLock, RunLocked, new_run_stamp
 from tests.conftest import ROOT, compose_config
 from tests.test_train import write_rows
@@ -132,6 +134,46 @@ def test_the_holder_is_told_by_the_lock_on_its_pid_file_not_by_the_pid(tmp_path)
     assert lock.holder() == os.getpid()  # the pid file the holder keeps locked
     first.release()
     assert lock.holder() is None and not (tmp_path / PID_NAME).exists()
+
+
+def test_a_lock_file_the_os_refuses_is_its_reason_never_in_use(tmp_path, monkeypatch, capsys):
+    """Only a live holder is "in use": a folder that takes no new files (/proc: filelock times out as if the lock
+    were held), a lock filelock will not take though no process holds it, and a pid file the OS refuses are one line
+    naming the path and why (found by a new-user pass: out=/proc/x said "in use by another process")."""
+    from filelock import FileLock, Timeout
+
+    with pytest.raises(QwenftError) as refused:
+        RunLock("/proc/qwenft-test", key="out", beside=True).acquire()
+    message = str(refused.value)
+    assert not isinstance(refused.value, RunLocked) and "in use" not in message and "\n" not in message
+    assert message.startswith("out=/proc/qwenft-test: cannot lock /proc/.qwenft-test.qwenft.lock: No such file or "
+                              "directory (the folder /proc exists but takes no new files there)"), message
+    code, err = run_main(["merge", f"adapter={tmp_path}", "out=/proc/qwenft-test/merged"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "in use" not in err and "cannot lock" in err, err
+
+    def refuse(self, *args, **kwargs):
+        raise Timeout(str(self.lock_file))
+
+    monkeypatch.setattr(runlock, "HOLDER_WAIT_S", 0.3)
+    with monkeypatch.context() as patch:
+        patch.setattr(FileLock, "acquire", refuse)
+        with pytest.raises(QwenftError) as refused:
+            RunLock(tmp_path / "run").acquire()
+    assert not isinstance(refused.value, RunLocked), refused.value
+    assert str(refused.value) == f"out_dir={tmp_path / 'run'}: cannot lock {tmp_path / 'run' / LOCK_NAME}, though no " \
+                                 "process holds it"
+    assert not (tmp_path / "run").exists()  # the folder the refused lock made is gone
+
+    def no_permission(path, text):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(runlock, "write_locked", no_permission)
+    with pytest.raises(QwenftError) as refused:
+        RunLock(tmp_path / "run").acquire()
+    assert str(refused.value) == (f"out_dir={tmp_path / 'run'}: cannot write {tmp_path / 'run' / PID_NAME}: "
+                                  "Permission denied")
+    monkeypatch.undo()
+    RunLock(tmp_path / "run").acquire().release()  # nothing stayed locked
 
 
 def run_main(argv, capsys):

@@ -46,7 +46,8 @@ def generate_preset(config: Config) -> GenerateConfig:
                                fold_lora=engine.fold_lora)
 
 
-def generation_eval(sampler, config: Config, rows: List[dict], batch_size: int, label: str) -> List[dict]:
+def generation_eval(sampler, config: Config, rows: List[dict], batch_size: int, label: str,
+                    desc: Optional[str] = None) -> List[dict]:
     """Generate an answer for every held-out row and score it against the reference.
 
     Prompts run in batches of similar length (:func:`qwenft.generation.batches.generate_many`); the results come
@@ -56,6 +57,7 @@ def generation_eval(sampler, config: Config, rows: List[dict], batch_size: int, 
         sampler: a :class:`qwenft.generation.Sampler` over the side being evaluated.
         rows: held-out conversations of the bundle (``DataBundle.eval_rows``), each with its ``prompt_ids``.
         batch_size: prompts per batch.
+        label: what the progress bar names, ``generate (LABEL)`` (e.g. ``base, domain``), unless ``desc`` is given.
 
     Returns:
         One dict per row: ``text``, ``stop_reason``, ``tokens`` (answer length) and the metric values.
@@ -63,7 +65,7 @@ def generation_eval(sampler, config: Config, rows: List[dict], batch_size: int, 
     from qwenft.generation.batches import generate_many
 
     sequences, _ = generate_many(sampler, [row["prompt_ids"] for row in rows], batch_size,
-                                 desc=f"generate ({label})")
+                                 desc=desc or f"generate ({label})")
     results: List[dict] = []
     for row, seq in zip(rows, sequences):
         reference = row["messages"][-1]["content"]
@@ -140,13 +142,16 @@ def check_ppl_sources(config: Config) -> None:
             raise ConfigError(f"eval.ppl_sources[{i}]={source!r}: the file holds no text to score")
 
 
-def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchmarks=None) -> Dict[str, Any]:
+def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchmarks=None,
+             progress: Optional[str] = None) -> Dict[str, Any]:
     """Evaluate ``sides`` (``base`` then ``tuned``) of ``model`` on the bundle's held-out rows.
 
     The model is first made ready along the decode path chosen for its device and memory
     (:func:`qwenft.generation.engine.prepare_for_decoding`: a 4-bit base dequantized on a CPU, or on CUDA when the
     16-bit weights fit, the adapter folded in for the tuned side there), so ``model`` is for inference only
     afterwards. ``eval.batch_size=auto`` is resolved from the free memory (:func:`qwenft.generation.engine.auto_batch_sizes`).
+    The generation progress bars read ``generate (SIDE, SOURCE)``, or ``PROGRESS (SOURCE)`` when ``progress`` is given
+    (``qwenft merge``'s cost table: ``measure gptq``).
 
     Returns:
         ``{"sources": {name: {side: summary}}, "perplexity": {name: {side: {...}}}, "rows": {name: [...]},
@@ -184,7 +189,8 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchma
     for side in sides:
         with engine.side(side) as side_model:
             for name, rows in eval_rows.items():
-                results = generation_eval(sampler, config, rows, rows_per_batch, f"{side}, {name}")
+                results = generation_eval(sampler, config, rows, rows_per_batch, f"{side}, {name}",
+                                          f"{progress} ({name})" if progress else None)
                 report["sources"].setdefault(name, {})[side] = summarise(results, config.eval.metrics)
                 report["rows"].setdefault(name, [{} for _ in rows])
                 for slot, result in zip(report["rows"][name], results):

@@ -19,7 +19,8 @@
    why vLLM cannot serve it so (:func:`qwenft.export.card.serve_commands`).
 4. Everything is written into ``DIR.tmp-*`` beside ``DIR`` and renamed at the end: an interrupted merge
    (Ctrl-C, SIGTERM, or a kill) never leaves ``DIR``; leftovers of killed runs are removed by the next run.
-   A non-empty ``DIR`` is refused unless ``merge.overwrite=true``. A re-run whose ``DIR`` already holds a
+   A non-empty ``DIR`` is refused unless ``merge.overwrite=true`` (a finished merge's refusal names the recorded
+   settings that differ and the overrides that reuse it). A re-run whose ``DIR`` already holds a
    verified merge of the same adapter with the same settings does nothing (``qwenft_merge.json`` records it);
    ``merge.overwrite=true`` redoes it.
 
@@ -141,6 +142,38 @@ def _already_done(out: Path, request: dict) -> bool:
                                for name, size in files.items())
 
 
+def _not_this_merge(out: Path, request: dict) -> str:
+    """Why the non-empty ``out`` is refused, and what to do: not a merge; a finished merge whose recorded settings
+    differ (each named, ``key: recorded there, asked here``, and the overrides that reuse it: the quantize settings
+    never differ, :func:`_merge_settings`); or a merge whose files are not as recorded."""
+    replace = "choose another out= or pass merge.overwrite=true to replace it"
+    try:
+        recorded = json.loads((out / MARKER).read_text(encoding="utf-8"))["request"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"exists and is not empty; {replace}"
+
+    def flat(value, key=""):
+        if not isinstance(value, dict):
+            return {key: value}
+        return {k: v for name, item in value.items() for k, v in flat(item, f"{key}.{name}".lstrip(".")).items()}
+
+    def text(value):
+        return value if isinstance(value, str) else json.dumps(value)
+
+    there, here = flat(recorded), flat(request)
+    keys = [k for k in dict.fromkeys([*there, *here]) if there.get(k) != here.get(k)]
+    if "merge.gguf" in keys:  # verify_gguf is recorded resolved, and follows merge.gguf (no GGUF: no check)
+        keys = [k for k in keys if k != "merge.verify_gguf"]
+    if not keys:
+        return f"holds a merge whose files are not as recorded (incomplete or changed since); {replace}"
+    if "adapter_sha256" in keys:
+        return f"holds a merge of another adapter (or of this one before it changed); {replace}"
+    said = "; ".join(f"{k}: {text(there.get(k))} there, {text(here.get(k))} here" for k in keys)
+    again = " ".join(f"{k}={text(there[k])}" for k in keys if k in there)
+    return (f"holds a finished merge made with other settings ({said}); to reuse it (merge.quantize then adds only "
+            f"its artifacts) pass {again}, or {replace}")
+
+
 def _remove_stale(out: Path) -> None:
     """Remove ``DIR.tmp-*`` / ``DIR.old-*`` left by merges that were killed.
 
@@ -220,15 +253,16 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     request = _request(adapter_dir, model_cfg, quant_cfg, config)
     done = not config.merge.overwrite and _already_done(out, request)
     if config.merge.quantize:  # bad requests stop here, before the merge (minutes) and before any model loads
-        _check_quantize(config, out, model_cfg, done)
+        from qwenft.export.quantize import check_before_merge
+
+        check_before_merge(config, out, model_cfg, done)
     if done:
         print(f"{out} already holds a verified merge of this adapter with these settings: nothing to do")
         _print_serving(out)
         _quantize(config, adapter_dir, out, device)
         return out
     if out.is_dir() and any(out.iterdir()) and not config.merge.overwrite:
-        raise QwenftError(f"out={config.out}: exists and is not empty; choose another out= or pass "
-                          "merge.overwrite=true to replace it")
+        raise QwenftError(f"out={config.out}: {_not_this_merge(out, request)}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file where a folder should be, no permission
@@ -255,21 +289,6 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
     _print_serving(out)
     _quantize(config, adapter_dir, out, device)
     return out
-
-
-def _check_quantize(config: Config, out: Path, model_cfg: ModelConfig, done: bool) -> None:
-    """:func:`qwenft.export.quantize.check_request` on the finished merge, or before merging on the base's config
-    (the merge writes an f16 GGUF then: the config check requires ``merge.gguf=f16``)."""
-    from qwenft.export.quantize import check_request
-    from qwenft.model import resolve_model_dir
-
-    if done:
-        record = json.loads((out / MARKER).read_text(encoding="utf-8"))
-        check_request(config, json.loads((out / "config.json").read_text(encoding="utf-8")), record.get("gguf"))
-    else:
-        base = Path(resolve_model_dir(model_cfg)) / "config.json"
-        if base.is_file():  # a Hub id not yet downloaded: checked on the merged directory instead
-            check_request(config, json.loads(base.read_text(encoding="utf-8")), {"type": config.merge.gguf})
 
 
 def _quantize(config: Config, adapter_dir: Path, out: Path, device: Optional[str]) -> None:

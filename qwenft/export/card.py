@@ -193,20 +193,29 @@ def _source_cell(entry: dict) -> str:
 def cost_table(artifacts: Dict[str, dict], reference: str) -> str:
     """The cost table (Markdown) of :mod:`qwenft.export.costs` entries, the 16-bit merge (``reference``) first: weights
     on disk, perplexity ratio to the 16-bit merge per group (the 16-bit perplexity itself in its row), each source's
-    primary metric, greedy token agreement with the 16-bit merge, decode tokens/s and where it was measured."""
+    primary metric, greedy token agreement with the 16-bit merge, decode tokens/s and where it was measured; when the
+    rows were measured in more than one run (a run that adds artifacts keeps the earlier rows), when each was: the
+    quality columns are deterministic, tokens/s depends on the machine's load at the time."""
     order = [reference] + [k for k in artifacts if k != reference]
     first = artifacts[reference]
     groups = list(first["perplexity"])
     sources = list(first["sources"])
+    mixed = len({entry.get("measured") for entry in artifacts.values()}) > 1
     head = (["artifact", "weights"] + [f"ppl ratio {g}" for g in groups]
-            + [f"{s}: {first['sources'][s]['metric']}" for s in sources] + ["greedy agreement", "decode tok/s"])
+            + [f"{s}: {first['sources'][s]['metric']}" for s in sources] + ["greedy agreement", "decode tok/s"]
+            + (["measured"] if mixed else []))
+
+    def when(entry: dict) -> List[str]:  # (a row recorded before rows carried their time: "an earlier run")
+        return [entry.get("measured") or "an earlier run"] if mixed else []
+
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in order:
         if label not in artifacts:
             continue
         entry = artifacts[label]
         if entry.get("error"):
-            lines.append("| " + " | ".join([label, f"not measured: {entry['error']}"] + [""] * (len(head) - 2)) + " |")
+            cells = [label, f"not measured: {entry['error']}"] + [""] * (len(head) - 2 - len(when(entry)))
+            lines.append("| " + " | ".join(cells + when(entry)) + " |")
             continue
         cells = [label, _size(entry["bytes"])]
         for g in groups:
@@ -219,7 +228,7 @@ def cost_table(artifacts: Dict[str, dict], reference: str) -> str:
                      f"{agreement['share']:.1%} ({agreement['identical']}/{agreement['compared']})")
         speed = entry.get("decode_tokens_per_s")
         cells.append(f"{speed:.1f} ({entry['backend']})" if speed else f"n/a ({entry['backend']})")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + when(entry)) + " |")
     return "\n".join(lines)
 
 

@@ -153,9 +153,9 @@ def _finish(entry: dict, ppl: Dict[str, dict], reference: Optional[dict]) -> dic
     return entry
 
 
-def measure_hf(path: Path, inputs: Inputs, dtype: str, device: str, reference: Optional[dict]) -> dict:
+def measure_hf(path: Path, inputs: Inputs, dtype: str, device: str, reference: Optional[dict], label: str) -> dict:
     """Measure a safetensors directory (the 16-bit merge when ``reference`` is None, else a compressed-tensors one)
-    with transformers and the project's evaluation.
+    with transformers and the project's evaluation (its progress bars name ``label``: ``measure gptq (domain)``).
 
     Returns:
         The table entry; the 16-bit merge's also holds ``sequences`` (prompt and greedy answer ids) and ``argmax``
@@ -168,7 +168,7 @@ def measure_hf(path: Path, inputs: Inputs, dtype: str, device: str, reference: O
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), device_map={"": device})
     model.eval()
-    report = evaluate(model, inputs.tokenizer, inputs.config, inputs.bundle, ["base"])
+    report = evaluate(model, inputs.tokenizer, inputs.config, inputs.bundle, ["base"], progress=f"measure {label}")
     results = {name: [slot["base"] for slot in rows] for name, rows in report["rows"].items()}
     summaries = {name: by_side["base"] for name, by_side in report["sources"].items()}
     ppl = {name: by_side["base"] for name, by_side in report["perplexity"].items()}
@@ -191,9 +191,10 @@ def measure_hf(path: Path, inputs: Inputs, dtype: str, device: str, reference: O
     return _finish(entry, ppl, reference)
 
 
-def measure_gguf_file(path: Path, inputs: Inputs, reference: dict) -> dict:
-    """Measure a GGUF with llama.cpp (:func:`qwenft.export.llama_eval.measure_gguf`) against ``reference``; the
-    entry's ``llama_report`` (not recorded) holds llama.cpp's report, for :mod:`qwenft.export.llama_check`'s rules."""
+def measure_gguf_file(path: Path, inputs: Inputs, reference: dict, label: str) -> dict:
+    """Measure a GGUF with llama.cpp (:func:`qwenft.export.llama_eval.measure_gguf`, its progress bar named
+    ``measure LABEL (llama.cpp)``) against ``reference``; the entry's ``llama_report`` (not recorded) holds llama.cpp's
+    report, for :mod:`qwenft.export.llama_check`'s rules."""
     from qwenft.evaluate.perplexity import Perplexity
     from qwenft.export.llama_eval import measure_gguf
 
@@ -201,7 +202,7 @@ def measure_gguf_file(path: Path, inputs: Inputs, reference: dict) -> dict:
     config = inputs.config
     max_new = _max_new_tokens(config)
     got = measure_gguf(path, inputs.ppl, inputs.prompts(), inputs.eos, max_new, reference["sequences"],
-                       reference["argmax"])
+                       reference["argmax"], desc=f"measure {label} (llama.cpp)")
     results, k = {}, 0
     for name, rows in inputs.rows.items():
         results[name] = []
@@ -236,8 +237,14 @@ def _agreement(got: List[List[int]], expected: List[List[int]]) -> dict:
     return {"identical": identical, "compared": compared, "share": identical / compared if compared else None}
 
 
-def public(entry: dict) -> dict:
-    """The entry as recorded (``qwenft_merge.json``): without the reference's token lists and row indices."""
+def stamp() -> str:
+    """Now, as a cost table row records when it was measured (UTC, to the second)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+
+def public(entry: dict, measured: str) -> dict:
+    """The entry as recorded (``qwenft_merge.json``): without the reference's token lists and row indices, with
+    ``measured`` (:func:`stamp`: the same for every row one run measures)."""
     out = {k: v for k, v in entry.items() if k not in ("sequences", "argmax", "llama_report")}
     out["sources"] = {name: {k: v for k, v in s.items() if k != "right_rows"} for name, s in entry["sources"].items()}
-    return out
+    return {**out, "measured": measured}

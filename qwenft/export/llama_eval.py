@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from qwenft.export.gguf_quant import QuantizeError
 from qwenft.export.llama_check import CHAT_SCRIPT, TWO_TURNS
@@ -37,6 +37,8 @@ import numpy as np
 import llama_cpp
 
 spec = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+def tick():  # one step done: a line the parent's progress bar counts
+    print("qwenft-step", flush=True)
 longest = max([len(r[0]) for g in spec["ppl"].values() for r in g] + [len(p) + len(a) for p, a in spec["forced"]]
               + [len(p) + spec["max_new_tokens"] for p in spec["prompts"]]
               + [len(spec["speed_prompt"]) + spec["speed_tokens"]])
@@ -54,6 +56,7 @@ for name, rows in spec["ppl"].items():
             top = z.max()
             nll += float(top + np.log(np.exp(z - top).sum()) - z[ids[t]])
             count += 1
+        tick()
     report["ppl"][name] = [nll, count]
 
 eos = set(spec["eos"])
@@ -68,6 +71,7 @@ for prompt in spec["prompts"]:
             break
         llm.eval([token])
     report["generated"].append(out)
+    tick()
 
 for (prompt, answer), expected in zip(spec["forced"], spec["expected"]):
     llm.reset()
@@ -75,6 +79,7 @@ for (prompt, answer), expected in zip(spec["forced"], spec["expected"]):
     rows = [llm.scores[len(prompt) - 1 + k] for k in range(len(answer))]
     report["forced_argmax"].append([int(np.argmax(z)) for z in rows])
     report["gaps"].append([float(z.max() - z[e]) for z, e in zip(rows, expected)])  # its token over the 16-bit's
+    tick()
 
 llm.reset()
 llm.eval(spec["speed_prompt"])
@@ -90,8 +95,9 @@ llm.close()
 
 def measure_gguf(path: Path, ppl: Dict[str, Sequence[Tuple[List[int], List[bool]]]], prompts: List[List[int]],
                  eos: List[int], max_new_tokens: int, forced: List[Tuple[List[int], List[int]]],
-                 expected: List[List[int]]) -> dict:
-    """Run :data:`SCRIPT` on the GGUF ``path``.
+                 expected: List[List[int]], desc: Optional[str] = None) -> dict:
+    """Run :data:`SCRIPT` on the GGUF ``path`` (with ``desc``: a progress bar of that name over its rows, prompts and
+    forced pairs, on stderr).
 
     Args:
         ppl: Row groups by name, each row ``(ids [seq], scored [seq])``.
@@ -120,9 +126,33 @@ def measure_gguf(path: Path, ppl: Dict[str, Sequence[Tuple[List[int], List[bool]
         spec_path, report_path = Path(work) / "spec.json", Path(work) / "report.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        result = subprocess.run([sys.executable, "-c", SCRIPT, str(spec_path), str(report_path)], cwd=work, env=env,
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
-            raise QuantizeError(f"llama.cpp could not run {path.name}: " + " | ".join(tail))
+        steps = sum(len(rows) for rows in ppl.values()) + len(prompts) + len(forced)
+        code, output = _run(SCRIPT, [str(spec_path), str(report_path)], work, env, steps, desc)
+        if code != 0:
+            said = " | ".join(output.strip().splitlines()[-5:]) or f"exit status {code}, nothing printed"
+            raise QuantizeError(f"llama.cpp could not run {path.name}: {said}")
         return json.loads(report_path.read_text(encoding="utf-8"))
+
+
+def _run(script: str, args: List[str], cwd: str, env: dict, steps: int, desc: Optional[str]) -> Tuple[int, str]:
+    """Run ``script`` in a child interpreter, its step lines counted on a tqdm bar named ``desc`` (None: no bar).
+
+    Returns:
+        ``(exit status, stderr)``, or its other stdout lines when stderr is empty.
+    """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, desc=desc, unit="step", leave=False, file=sys.stderr) if desc else None
+    other = []
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8") as err:
+        with subprocess.Popen([sys.executable, "-c", script, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=err, text=True) as child:
+            for line in child.stdout:
+                if line.rstrip("\n") != "qwenft-step":
+                    other.append(line)
+                elif bar is not None:
+                    bar.update()
+        if bar is not None:
+            bar.close()
+        err.seek(0)
+        return child.returncode, err.read() or "".join(other)

@@ -12,8 +12,9 @@ Each is written under a temporary name and renamed when complete; ``qwenft_merge
 after the rename, so a re-run finds it done (same settings, files of the recorded sizes) and does nothing. Then every
 artifact without a measurement (the 16-bit merge and the merge's own GGUF included) is measured on the run's held-out
 data (:mod:`qwenft.export.costs`); the table goes into ``qwenft_merge.json`` (``costs``), the model card and the
-output. The merge command holds ``DIR``'s lock throughout, so temporary names left in ``DIR`` are a killed run's and
-are removed.
+output. Each row records when it was measured (``measured``, one UTC time per run): a run that adds artifacts
+measures the 16-bit merge and the new ones, keeps the other rows, and the table then shows each row's time. The merge
+command holds ``DIR``'s lock throughout, so temporary names left in ``DIR`` are a killed run's and are removed.
 
 Bad input stops with one line (exit 2) before anything is loaded: an unknown method, missing or untested packages
 (both in :mod:`qwenft.config.export`), GPTQ/AWQ on a model whose widths the group size does not divide, a GGUF
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from qwenft.config import Config, EvalConfig, QwenftError
+from qwenft.config import Config, EvalConfig, ModelConfig, QwenftError
 from qwenft.config.export import GGUF_METHODS, W4A16_METHODS
 from qwenft.export.gguf_quant import GGUF_TYPES, QuantizeError
 from qwenft.files import atomic_write_text, publish_dir, publish_mode, staging_dir
@@ -39,7 +40,7 @@ from qwenft.model import MERGE_MARKER
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QuantizeError", "artifact_name", "check_request", "quantize"]
+__all__ = ["QuantizeError", "artifact_name", "check_before_merge", "check_request", "quantize"]
 
 
 def artifact_name(out_name: str, method: str) -> str:
@@ -69,6 +70,20 @@ def check_request(config: Config, model_config: dict, gguf: Optional[dict]) -> N
         if method in GGUF_METHODS and (gguf is None or gguf.get("type") != "f16"):
             raise QwenftError(f"merge.quantize={method}: {config.out} holds no f16 GGUF to quantize (llama.cpp "
                               "quantizes from 16-bit); merge again with merge.gguf=f16 merge.overwrite=true")
+
+
+def check_before_merge(config: Config, out: Path, model_cfg: ModelConfig, done: bool) -> None:
+    """:func:`check_request` on the finished merge (``done``), or before merging on the base's config (the merge
+    writes an f16 GGUF then: the config check requires ``merge.gguf=f16``)."""
+    from qwenft.model import resolve_model_dir
+
+    if done:
+        record = _read_record(out)
+        check_request(config, json.loads((out / "config.json").read_text(encoding="utf-8")), record.get("gguf"))
+    else:
+        base = Path(resolve_model_dir(model_cfg)) / "config.json"
+        if base.is_file():  # a Hub id not yet downloaded: checked on the merged directory instead
+            check_request(config, json.loads(base.read_text(encoding="utf-8")), {"type": config.merge.gguf})
 
 
 def _run_eval_config(adapter_dir: Path, fallback: EvalConfig) -> EvalConfig:
@@ -202,7 +217,7 @@ def _make(config: Config, out: Path, method: str, record: dict, inputs, system: 
         try:
             quantize_gguf(out / record["gguf"]["file"], tmp, method)
             entry["quantize_seconds"] = time.perf_counter() - start
-            cost = measure_gguf_file(tmp, inputs, reference)
+            cost = measure_gguf_file(tmp, inputs, reference, method)
             entry["llama_cpp"] = _check_gguf(cost, method, inputs, reference)
             publish_mode(tmp)
             entry["tensor_types"] = tensor_types(tmp)
@@ -250,7 +265,7 @@ def quantize(config: Config, adapter_dir: Path, out: Path, device: str) -> None:
             artifacts finished before stay recorded.
     """
     from qwenft.export.card import cost_table, handoff_lines, quantized_section, replace_section
-    from qwenft.export.costs import REFERENCE, measure_hf, public
+    from qwenft.export.costs import REFERENCE, measure_hf, public, stamp
     from qwenft.model import read_adapter_meta
 
     record = _read_record(out)
@@ -269,16 +284,17 @@ def quantize(config: Config, adapter_dir: Path, out: Path, device: str) -> None:
         costs = record.get("costs") if (record.get("costs") or {}).get("settings") == key else None
         record["costs"] = costs or {"settings": key, "artifacts": {}}
         log.info("measuring the 16-bit merge on the run's held-out data (the reference)")
-        reference = measure_hf(out, inputs, config.merge.dtype, device, None)
-        record["costs"]["artifacts"][REFERENCE] = public(reference)
+        now = stamp()  # every row this run measures says so; rows carried over keep theirs (card.cost_table)
+        reference = measure_hf(out, inputs, config.merge.dtype, device, None, REFERENCE)
+        record["costs"]["artifacts"][REFERENCE] = public(reference, now)
         system = (read_adapter_meta(adapter_dir) or {}).get("system_prompt")
         for method in todo:
             made[method], cost = _make(config, out, method, record, inputs, system, reference)
             record["costs"]["artifacts"].pop(method, None)  # a new file: measured (again)
             if cost is not None:
-                record["costs"]["artifacts"][method] = public(cost)
+                record["costs"]["artifacts"][method] = public(cost, now)
             _write_record(out, record)
-        failed = _measure(config, out, record, inputs, device, reference)
+        failed = _measure(config, out, record, inputs, device, reference, now)
         measured = record["costs"]["artifacts"]  # in the table's order: the 16-bit merge, its GGUF, merge.quantize's
         record["costs"]["artifacts"] = {label: measured[label] for label, _, _ in _labels(record) if label in measured}
         card = replace_section((out / "README.md").read_text(encoding="utf-8"), quantized_section(record, out))
@@ -314,9 +330,9 @@ def _unmeasured(record: dict, key: dict) -> List[tuple]:
     return [label for label in _labels(record) if label[0] not in done or done[label[0]].get("error")]
 
 
-def _measure(config: Config, out: Path, record: dict, inputs, device: str, reference: dict) -> List[str]:
+def _measure(config: Config, out: Path, record: dict, inputs, device: str, reference: dict, now: str) -> List[str]:
     """Measure the artifacts ``record["costs"]`` lacks against ``reference`` (the 16-bit merge's measurement), each
-    recorded as it is done; one that cannot be measured is recorded with its ``error``.
+    recorded as it is done (``measured``: ``now``); one that cannot be measured is recorded with its ``error``.
 
     Returns:
         The labels that could not be measured.
@@ -328,12 +344,12 @@ def _measure(config: Config, out: Path, record: dict, inputs, device: str, refer
         if label == REFERENCE:
             continue
         try:
-            entry = public(measure_gguf_file(out / path, inputs, reference) if kind == "gguf"
-                           else measure_hf(out / path, inputs, config.merge.dtype, device, reference))
+            entry = public(measure_gguf_file(out / path, inputs, reference, label) if kind == "gguf"
+                           else measure_hf(out / path, inputs, config.merge.dtype, device, reference, label), now)
         except Exception as exc:  # noqa: BLE001 - recorded and reported; the other artifacts are still measured
             log.error("could not measure %s: %s", label, exc)
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            entry = {"error": f"{type(exc).__name__}: {first}"}
+            entry = {"error": f"{type(exc).__name__}: {first}", "measured": now}
             failed.append(label)
         record["costs"]["artifacts"][label] = entry
         _write_record(out, record)
