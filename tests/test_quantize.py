@@ -432,3 +432,27 @@ def test_the_calibration_child_dies_with_a_merge_killed_by_sigkill(tmp_path):
     if alive():
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the child outlived its killed parent")
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_llama_children_load_without_extra_buffers_on_an_amx_cpu(amx):
+    """llama.cpp's AMX matmul segfaults on quantized weights (ggml-org/llama.cpp#20824; q8_0 and K-quants of
+    tiny-random crashed the child on an AMX_INT8 Xeon): there, PLAIN_BUFFERS makes every Llama(...) the child builds
+    load with use_extra_bufts=False; elsewhere the defaults are untouched. Run on a stand-in llama_cpp module."""
+    import types
+
+    from qwenft.export.llama_check import LLAMA_SCRIPT, PLAIN_BUFFERS
+    from qwenft.export.llama_eval import SCRIPT
+
+    class Params:
+        use_extra_bufts = True
+
+    inner = types.SimpleNamespace(llama_model_default_params=Params)
+    info = b"CPU : AVX2 = 1 | AVX512 = 1 | " + (b"AMX_INT8 = 1 | " if amx else b"") + b"REPACK = 1 |"
+    fake = types.SimpleNamespace(llama_cpp=inner, llama_print_system_info=lambda: info)
+    scope = {"llama_cpp": fake}
+    exec(PLAIN_BUFFERS, scope)
+    assert scope["report_extra_bufts"] is (not amx)
+    assert inner.llama_model_default_params().use_extra_bufts is (not amx)
+    for script in (LLAMA_SCRIPT, SCRIPT):  # both children apply it before their Llama(...)
+        assert script.index(PLAIN_BUFFERS) < script.index("llama_cpp.Llama(")

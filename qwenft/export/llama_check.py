@@ -110,6 +110,24 @@ def hf_chat(tokenizer) -> dict:
     return {"text": text, "ids": list(tokenizer(text, add_special_tokens=False)["input_ids"])}
 
 
+# llama.cpp's AMX matmul (Intel CPUs with AMX_INT8, Sapphire Rapids and later) crashes on quantized weights: a
+# segfault in ggml_backend_amx_mul_mat (ggml-org/llama.cpp#20824, open), seen here on q8_0 / Q4_K_M / Q5_K_M / Q6_K
+# GGUFs of tiny-random with llama-cpp-python 0.3.36, f16 unaffected. On such a CPU the child loads the weights without
+# llama.cpp's extra buffer types (AMX, REPACK: use_extra_bufts=false), into plain CPU buffers; report["extra_bufts"]
+# says which way it ran. Put right after ``import llama_cpp`` in a child script, before any Llama(...).
+PLAIN_BUFFERS = r'''
+report_extra_bufts = b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info()
+if not report_extra_bufts:
+    _model_defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def _plain_buffers():
+        params = _model_defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = _plain_buffers  # what Llama.__init__ calls
+'''
+
 # The chat-template and end-token facts of a loaded GGUF (``llm``) into ``report``: run inside a llama.cpp child script,
 # here and in qwenft.export.llama_eval. Reads spec["messages"] and spec["eos_token_id"].
 CHAT_SCRIPT = r'''
@@ -137,6 +155,7 @@ import json, sys, time
 from pathlib import Path
 import numpy as np
 import llama_cpp
+''' + PLAIN_BUFFERS + r'''
 
 spec = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
 start = time.perf_counter()
@@ -144,7 +163,8 @@ n_ctx = max(len(p) + len(t) for p, t in zip(spec["prompts"], spec["forced"])) + 
 llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=max(n_ctx, 64), n_threads=spec["threads"],
                       n_threads_batch=spec["threads"], n_gpu_layers=0, seed=0, logits_all=False, verbose=False)
 n_vocab = llm.n_vocab()
-report = {"n_vocab": n_vocab, "load_seconds": time.perf_counter() - start, "argmax": [], "gaps": []}
+report = {"n_vocab": n_vocab, "load_seconds": time.perf_counter() - start, "argmax": [], "gaps": [],
+          "extra_bufts": report_extra_bufts}
 for prompt, forced in zip(spec["prompts"], spec["forced"]):
     llm.reset()
     llm.eval(prompt)

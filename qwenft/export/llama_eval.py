@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from qwenft.export.gguf_quant import QuantizeError
-from qwenft.export.llama_check import CHAT_SCRIPT, TWO_TURNS
+from qwenft.export.llama_check import CHAT_SCRIPT, PLAIN_BUFFERS, TWO_TURNS
 
 THREADS = 2  # llama.cpp's threads, fixed: the machine's other work then changes the speed, not the results
 SPEED_TOKENS = 64
@@ -35,6 +35,7 @@ import json, sys, time
 from pathlib import Path
 import numpy as np
 import llama_cpp
+''' + PLAIN_BUFFERS + r'''
 
 spec = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
 def tick():  # one step done: a line the parent's progress bar counts
@@ -44,7 +45,7 @@ longest = max([len(r[0]) for g in spec["ppl"].values() for r in g] + [len(p) + l
               + [len(spec["speed_prompt"]) + spec["speed_tokens"]])
 llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=longest + 8, n_batch=512, n_threads=spec["threads"],
                       n_threads_batch=spec["threads"], n_gpu_layers=0, seed=0, logits_all=True, verbose=False)
-report = {"ppl": {}, "generated": [], "forced_argmax": [], "gaps": []}
+report = {"ppl": {}, "generated": [], "forced_argmax": [], "gaps": [], "extra_bufts": report_extra_bufts}
 
 for name, rows in spec["ppl"].items():
     nll, count = 0.0, 0
