@@ -203,3 +203,20 @@ def test_fsdp_nf4_in_uint8_storage_stops_at_start_exit_2(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "dist.quant_storage=bfloat16" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_typo_in_the_zero_settings_is_one_line_before_the_model_loads(monkeypatch):
+    # DeepSpeed refuses an unknown zero_optimization key only when its engine starts: a pydantic traceback on every
+    # rank, after each has loaded the model
+    pytest.importorskip("deepspeed")
+    from qwenft.config import QwenftError
+    from qwenft.train.dist import check_strategy
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = compose_config("model=tiny-random", "dist=deepspeed_zero3",
+                            "++dist.deepspeed.zero_optimization.stage3_prefetch_bucket_sise=auto")
+    with pytest.raises(QwenftError, match=r"^unknown key 'dist.deepspeed.zero_optimization.stage3_prefetch_bucket_sise' "
+                                          r"\(did you mean dist.deepspeed.zero_optimization.stage3_prefetch_bucket_size\?\)"):
+        check_strategy(config, cuda=False)
+    for preset in ("deepspeed_zero2", "deepspeed_zero3"):  # the presets' own keys are DeepSpeed's
+        check_strategy(compose_config("model=tiny-random", f"dist={preset}"), cuda=False)
