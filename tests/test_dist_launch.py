@@ -180,11 +180,13 @@ def test_sharded_nf4_in_uint8_storage_is_one_line(preset, monkeypatch):
     import importlib.util
 
     from qwenft.config import QwenftError
+    from qwenft.train import dist
     from qwenft.train.dist import check_strategy
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",  # as if deepspeed were installed: the check after it runs
                         lambda name, *args: object() if name == "deepspeed" else real_find_spec(name, *args))
+    monkeypatch.setattr(dist, "check_zero_keys", lambda zero: None)  # it imports deepspeed's own ZeRO config
     monkeypatch.setenv("LOCAL_RANK", "0")  # as under a launcher (one process: no process group is made)
     config = compose_config("model=tiny-random", f"dist={preset}", "quant=nf4", "dist.quant_storage=uint8")
     with pytest.raises(QwenftError, match=f"^dist={preset} with quant=nf4 needs dist.quant_storage=bfloat16: FSDP "
