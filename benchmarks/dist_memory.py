@@ -25,7 +25,19 @@ MiB at step 1 and 1,618-1,672 MiB at steps 2-3 (benchmarks/results/dist_memory.j
 not a first-step cost. RSS includes the Python/torch runtime (~670 MiB in both runs at the start, less the weights),
 hence the differences.
 
+ZeRO-2 and ZeRO-3 (``--dist deepspeed_zero2|3``, deepspeed 0.19.8's CPU accelerator, the 1-process record reused
+from dist_memory.json with ``--one-process-from``; 2026-12-02, 2 cores shared with test runs): ZeRO-2 starts at
+3,117 / 3,116 MiB per rank (43 MiB over one process, planned 0: the weights stay whole) and peaks at 3,422 / 3,380
+MiB, 78 MiB over one process, planned 17 MiB over (its halved LoRA gradients and states are small; its reduce
+buckets on a CPU hold the LoRA gradients); the rest is DeepSpeed's own state, not modelled. ZeRO-3 starts at 1,958 /
+1,957 MiB (1,116 MiB under one process, planned 1,210) but peaks at 3,393 / 3,293 MiB, 49 MiB over one process
+where the plan has 708 MiB under (1,931 vs 2,639 MiB): a training step rises 1.27-1.33 GiB over its start RSS, the
+plan's gathered weights are 519 MiB (the lm_head at the loss); DeepSpeed's live-parameter cache
+(``stage3_max_live_parameters`` / ``stage3_max_reuse_distance``, 1e9 by default) and gloo's all-gather copies are
+the likely rest, not yet modelled (benchmarks/results/dist_memory_deepspeed_zero2.json, _zero3.json).
+
     python benchmarks/dist_memory.py            # the embedded 0.5B, fp32, batch 1 x 64 tokens, 3 steps (~5 min)
+    python benchmarks/dist_memory.py --dist deepspeed_zero3 --one-process-from benchmarks/results/dist_memory.json
     python benchmarks/dist_memory.py --quick    # a scaled-up tiny-random model (seconds)
 
 Results: benchmarks/results/dist_memory.json (dist_memory_quick.json).
@@ -111,7 +123,7 @@ def overrides(quick: bool, rows: Path, steps: int, seq: int) -> list:
             "train.logging_steps=1", "train.batch_size=1", "eval.after_train=false", "logger=none"]
 
 
-def launch(work: Path, args: list, processes: int, timeout: int) -> list:
+def launch(work: Path, args: list, processes: int, timeout: int, dist: str = "fsdp") -> list:
     """Train in ``work`` with 1 process or ``processes`` torchrun ranks; the per-rank memory records."""
     work.mkdir(parents=True, exist_ok=True)
     launcher = work / "launch.py"
@@ -123,20 +135,20 @@ def launch(work: Path, args: list, processes: int, timeout: int) -> list:
         command = [sys.executable, str(launcher), "train", *args, "dist=none", f"out_dir={work / 'run'}"]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                   str(launcher), "train", *args, "dist=fsdp"]
+                   str(launcher), "train", *args, f"dist={dist}"]
     done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{command} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return [json.loads(p.read_text()) for p in sorted(work.glob("mem-rank*.json"))]
 
 
-def predicted(args: list, processes: int) -> dict:
-    """The plan's training peak and its rows on a CPU for ``processes`` (fsdp) or one process."""
+def predicted(args: list, processes: int, dist: str = "fsdp") -> dict:
+    """The plan's training peak and its rows on a CPU for ``processes`` (``dist``) or one process."""
     from qwenft.plan import make_plan
     from tests.conftest import compose_config
 
-    dist = ["dist=fsdp", f"plan.processes={processes}"] if processes > 1 else ["dist=none"]
-    plan = make_plan(compose_config(*args, *dist, "plan.device=cpu"))
+    preset = [f"dist={dist}", f"plan.processes={processes}"] if processes > 1 else ["dist=none"]
+    plan = make_plan(compose_config(*args, *preset, "plan.device=cpu"))
     return plan["training"]["without_checkpointing"]
 
 
@@ -146,6 +158,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--measured", default=None, help="reuse the 'one_process'/'two_processes' of a results JSON")
+    parser.add_argument("--dist", default="fsdp", choices=["fsdp", "deepspeed_zero2", "deepspeed_zero3"],
+                        help="the preset of the 2-process run (deepspeed: installed, its CPU accelerator)")
+    parser.add_argument("--one-process-from", default=None,
+                        help="reuse the 'one_process' record of a results JSON with the same overrides")
     opts = parser.parse_args()
     from tests.test_train import write_rows
 
@@ -156,17 +172,19 @@ def main() -> None:
             old = json.loads(Path(opts.measured).read_text())
             one, two = old["one_process"], old["two_processes"]
         else:
-            one = launch(Path(tmp) / "one", args, 1, 1800)
+            one = (json.loads(Path(opts.one_process_from).read_text())["one_process"] if opts.one_process_from
+                   else launch(Path(tmp) / "one", args, 1, 1800))
             print("1 process:", one, flush=True)
-            two = launch(Path(tmp) / "two", args, 2, 1800)
+            two = launch(Path(tmp) / "two", args, 2, 1800, opts.dist)
             print("2 processes:", two, flush=True)
-    plan1, plan2 = predicted(args, 1), predicted(args, 2)
+    plan1, plan2 = predicted(args, 1), predicted(args, 2, opts.dist)
     peak1 = one[0]["peak_rss"]
     per_rank = [r["peak_rss"] for r in two]
     measured_delta = peak1 - max(per_rank)
     predicted_delta = plan1["peak"] - plan2["peak"]
     result = {
-        "what": "train-phase peak RSS per process: 1 process (dist=none) vs 2 torchrun ranks (dist=fsdp, gloo)",
+        "what": f"train-phase peak RSS per process: 1 process (dist=none) vs 2 torchrun ranks (dist={opts.dist}, gloo)",
+        "one_process_from": opts.one_process_from,
         "overrides": [a for a in args if not a.startswith("data.sources")],
         "one_process": one, "two_processes": two,
         "plan": {"one_process": plan1, "two_processes": plan2},
@@ -177,7 +195,7 @@ def main() -> None:
         "delta_ratio": measured_delta / predicted_delta if predicted_delta else None,
         "environment": environment(),
     }
-    name = "dist_memory_quick" if opts.quick else "dist_memory"
+    name = "dist_memory" + ("" if opts.dist == "fsdp" else f"_{opts.dist}") + ("_quick" if opts.quick else "")
     path = save_json(name, result)
     print(f"1 process: peak {peak1 / MIB:,.0f} MiB (start {one[0]['start_rss'] / MIB:,.0f}); 2 processes: peaks "
           + ", ".join(f"{p / MIB:,.0f}" for p in per_rank) + " MiB (start "

@@ -257,6 +257,21 @@ def test_bad_dist_overrides_exit_2_naming_the_key(override, key, capsys):
     assert len(err.splitlines()) == 1 and key in err, err
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_typo_in_the_fsdp_settings_exits_2_naming_the_key(command, capsys):
+    # transformers ignores fsdp_config keys it does not read: the run would train fully sharded, not as asked
+    from qwenft.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "model=tiny-random", "dist=fsdp", "dist.fsdp.reshard_after_forwad=false", "plan.processes=2"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qwenft: error: unknown key 'dist.fsdp.reshard_after_forwad' (did you mean "
+                          "dist.fsdp.reshard_after_forward?)"), err
+    config = compose_config("dist=fsdp", "++dist.fsdp.fsdp_cpu_offload=false")  # transformers strips an fsdp_ prefix
+    assert config.dist.fsdp["fsdp_cpu_offload"] is False
+
+
 def run_main(argv, capsys):
     from qwenft.cli import main
 
@@ -265,9 +280,11 @@ def run_main(argv, capsys):
     return exit_info.value.code, capsys.readouterr().err.strip()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed")
 @pytest.mark.parametrize("preset", ["deepspeed_zero2", "deepspeed_zero3"])
-def test_deepspeed_preset_without_the_package_is_one_line_at_start(preset, tmp_path, capsys):
+def test_deepspeed_preset_without_the_package_is_one_line_at_start(preset, tmp_path, capsys, monkeypatch):
+    real_find_spec = importlib.util.find_spec  # as if deepspeed were not installed (CI installs it)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "deepspeed" else real_find_spec(name, *args))
     code, err = run_main(["train", "model=tiny-random", f"dist={preset}", f"out_dir={tmp_path / 'run'}"], capsys)
     assert code == 2
     assert len(err.splitlines()) == 1 and "deepspeed package" in err and f"dist={preset}" in err, err

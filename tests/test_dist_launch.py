@@ -180,11 +180,13 @@ def test_sharded_nf4_in_uint8_storage_is_one_line(preset, monkeypatch):
     import importlib.util
 
     from qwenft.config import QwenftError
+    from qwenft.train import dist
     from qwenft.train.dist import check_strategy
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",  # as if deepspeed were installed: the check after it runs
                         lambda name, *args: object() if name == "deepspeed" else real_find_spec(name, *args))
+    monkeypatch.setattr(dist, "check_zero_keys", lambda zero: None)  # it imports deepspeed's own ZeRO config
     monkeypatch.setenv("LOCAL_RANK", "0")  # as under a launcher (one process: no process group is made)
     config = compose_config("model=tiny-random", f"dist={preset}", "quant=nf4", "dist.quant_storage=uint8")
     with pytest.raises(QwenftError, match=f"^dist={preset} with quant=nf4 needs dist.quant_storage=bfloat16: FSDP "
@@ -203,3 +205,20 @@ def test_fsdp_nf4_in_uint8_storage_stops_at_start_exit_2(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "dist.quant_storage=bfloat16" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_typo_in_the_zero_settings_is_one_line_before_the_model_loads(monkeypatch):
+    # DeepSpeed refuses an unknown zero_optimization key only when its engine starts: a pydantic traceback on every
+    # rank, after each has loaded the model
+    pytest.importorskip("deepspeed")
+    from qwenft.config import QwenftError
+    from qwenft.train.dist import check_strategy
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = compose_config("model=tiny-random", "dist=deepspeed_zero3",
+                            "++dist.deepspeed.zero_optimization.stage3_prefetch_bucket_sise=auto")
+    with pytest.raises(QwenftError, match=r"^unknown key 'dist.deepspeed.zero_optimization.stage3_prefetch_bucket_sise' "
+                                          r"\(did you mean dist.deepspeed.zero_optimization.stage3_prefetch_bucket_size\?\)"):
+        check_strategy(config, cuda=False)
+    for preset in ("deepspeed_zero2", "deepspeed_zero3"):  # the presets' own keys are DeepSpeed's
+        check_strategy(compose_config("model=tiny-random", f"dist={preset}"), cuda=False)

@@ -3,11 +3,12 @@ in :mod:`qwenft.config.export`, ``serve`` in :mod:`qwenft.config.serve`) and :cl
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from qwenft.config.base import COMMANDS, _check, _check_choice
+from qwenft.config.base import COMMANDS, ConfigError, _check, _check_choice
 from qwenft.config.data import DataConfig
 from qwenft.config.export import MergeConfig
 from qwenft.config.gates import check_gate_names, check_gate_values
@@ -266,6 +267,24 @@ DIST_STRATEGIES = ("none", "ddp", "fsdp", "deepspeed")
 QUANT_STORAGE = ("uint8", "bfloat16", "float16", "float32")
 
 
+# The ``fsdp_config`` keys transformers 5.24's TrainingArguments reads (``_process_fsdp_args``; an ``fsdp_`` prefix is
+# stripped there): any other key is silently ignored by it, so a typo such as ``reshard_after_forwad`` would train
+# with the default.
+FSDP_KEYS = ("version", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "reshard_after_forward",
+             "state_dict_type", "cpu_ram_efficient_loading", "cpu_offload", "activation_checkpointing",
+             "forward_prefetch", "backward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers",
+             "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
+
+
+def _check_fsdp_keys(fsdp: Dict[str, Any]) -> None:
+    for key in fsdp:
+        name = str(key)[5:] if str(key).startswith("fsdp_") else str(key)
+        if name not in FSDP_KEYS:
+            guess = difflib.get_close_matches(name, FSDP_KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean dist.fsdp.{guess[0]}?)" if guess else ""
+            raise ConfigError(f"unknown key 'dist.fsdp.{key}'{hint}; transformers reads only: {', '.join(FSDP_KEYS)}")
+
+
 @dataclass
 class DistConfig:
     """Training on several processes (``torchrun`` / ``accelerate launch``); see :mod:`qwenft.train.dist`.
@@ -297,6 +316,7 @@ class DistConfig:
         _check(not self.fsdp or self.strategy == "fsdp", "dist.fsdp", self.fsdp, "is only read with dist.strategy=fsdp")
         _check(not self.deepspeed or self.strategy == "deepspeed", "dist.deepspeed", self.deepspeed,
                "is only read with dist.strategy=deepspeed")
+        _check_fsdp_keys(self.fsdp)
         if self.strategy == "deepspeed":
             stage = (self.deepspeed.get("zero_optimization") or {}).get("stage")
             _check(stage in (0, 1, 2, 3), "dist.deepspeed.zero_optimization.stage", stage,

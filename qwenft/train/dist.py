@@ -204,6 +204,8 @@ def check_strategy(config: Config, cuda: bool) -> None:
     if dcfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise QwenftError(f"{name} needs the deepspeed package, which is not installed (pip install deepspeed); "
                           "or train with dist=ddp / dist=fsdp")
+    if dcfg.strategy == "deepspeed":
+        check_zero_keys(dcfg.deepspeed.get("zero_optimization") or {})
     if dcfg.strategy in ("fsdp", "deepspeed"):  # both also run on CPU processes (gloo; DeepSpeed's CPU accelerator)
         if not launched():
             raise QwenftError(f"{name} needs a distributed launch: torchrun --nproc_per_node=N -m qwenft train ... "
@@ -213,6 +215,28 @@ def check_strategy(config: Config, cuda: bool) -> None:
     if config.quant.method == "nf4" and shards_weights(dcfg) and dcfg.quant_storage == "uint8":
         raise QwenftError(f"{name} with quant=nf4 needs dist.quant_storage=bfloat16: FSDP and ZeRO-3 shard only "
                           "floating-point tensors")
+
+
+def check_zero_keys(zero: Dict[str, Any]) -> None:
+    """Check the keys of ``dist.deepspeed.zero_optimization`` against the installed DeepSpeed's ZeRO config (its
+    fields and their aliases), which DeepSpeed itself rejects only when the engine starts, with a traceback on every
+    rank after the model has loaded.
+
+    Raises:
+        QwenftError: one line naming the unknown key and the closest accepted one.
+    """
+    import difflib
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    known = sorted(set(fields) | {f.alias for f in fields.values() if f.alias})
+    for key in zero:
+        if key not in known:
+            guess = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f" (did you mean dist.deepspeed.zero_optimization.{guess[0]}?)" if guess else ""
+            raise QwenftError(f"unknown key 'dist.deepspeed.zero_optimization.{key}'{hint}: DeepSpeed's ZeRO config "
+                              "has no such setting")
 
 
 def check_batch_feed(examples: int, config: Config) -> None:
