@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from qwenft.config import Config, ConfigError
 from qwenft.config.gates import BUILTIN_BENCHMARKS
@@ -71,7 +71,7 @@ def skipped(config: Config) -> Dict[str, str]:
     return out
 
 
-def warn_skipped(config: Config) -> Optional[Dict[str, str]]:
+def warn_skipped(config: Config) -> Dict[str, str]:
     """Log one warning per skipped benchmark (see :func:`skipped`); returns them."""
     out = skipped(config)
     for name, reason in out.items():
