@@ -213,7 +213,8 @@ def quote_text(value: str) -> str:
     return f"'{out}'"
 
 
-_LIST_KEYS = ("inspect.layers", "lora.target_modules", "merge.quantize")  # comma lists (or one item): a list
+_LIST_KEYS = ("inspect.layers", "lora.target_modules", "eval.benchmarks", "eval.bench_data", "eval.metrics",
+              "eval.ppl_sources", "merge.quantize", "wandb.tags")  # comma lists (or one item): a list, not a sweep
 
 
 def free_form(overrides: Sequence[str]) -> List[str]:
@@ -229,7 +230,8 @@ def free_form(overrides: Sequence[str]) -> List[str]:
       would be refused) and taken literally (``${...}`` stays text, see :func:`quote_text`); ``null`` stays null.
       A sweep over them needs the user's own Hydra quoting.
     - ``inspect.layers=0,12,23`` is a list, not a multirun sweep; ``inspect.layers=5`` is the list ``[5]``; the
-      same for ``lora.target_modules=q_proj,v_proj`` and ``merge.quantize=gguf-q4_k_m`` (``[gguf-q4_k_m]``).
+      same for ``lora.target_modules=q_proj,v_proj`` and the other lists of names or paths (``eval.bench_data=DIR``
+      is ``[DIR]``).
     """
     out = []
     for item in overrides:

@@ -521,6 +521,32 @@ def test_bench_data_then_the_environment_is_searched(tmp_path, bench_dir, capsys
     assert_refused(*refused, out, "eval.bench_missing='maybe'", "error, skip")
 
 
+def test_a_wrong_data_directory_is_named_with_why(tmp_path, bench_dir, monkeypatch):
+    """A newcomer's wrong pointers each get their reason in the one line: a directory that does not exist, a file,
+    the benchmark folder itself (one level too deep), a folder holding the files themselves (MMLU's tarball
+    unpacks to data/{dev,test}); a right one among them is still found."""
+    import os
+
+    from qwenft.config import ConfigError
+    from qwenft.evaluate.bench_data import data_folder
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "unpacked" / "dev").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    dirs = [tmp_path / "none", tmp_path / "a_file", bench_dir / "mmlu", tmp_path / "unpacked", tmp_path / "empty"]
+    monkeypatch.setenv("QWENFT_BENCH_DATA", os.pathsep.join(map(str, dirs)))
+    with pytest.raises(ConfigError) as info:
+        data_folder("mmlu", [])
+    message = str(info.value)
+    assert "\n" not in message
+    for said in (f"{tmp_path / 'none'} does not exist", f"{tmp_path / 'a_file'} is a file, not a directory",
+                 f"{bench_dir / 'mmlu'} is mmlu/ itself: point at {bench_dir}",
+                 f"{tmp_path / 'unpacked'} holds a benchmark's files themselves: they go in "
+                 f"{tmp_path / 'unpacked' / 'mmlu'}/", f"{tmp_path / 'empty' / 'mmlu'}. Point"):
+        assert said in message, said
+    assert data_folder("mmlu", [str(tmp_path / "a_file"), str(bench_dir)]) == bench_dir / "mmlu"
+
+
 def test_bench_missing_skip_runs_the_rest_and_says_what_was_skipped(tmp_path, bench_dir, capsys, monkeypatch):
     """eval.bench_missing=skip (the quickstart and domain recipes): a benchmark without data is left out with a
     warning, the others run, and metrics.json / report.md say which was skipped and why."""

@@ -55,6 +55,8 @@ def test_group_options_and_overrides():
     ("lr=1e-4", "(did you mean train.lr?)"),  # a bare key: the section holding it
     ("temperature=0.7", "(did you mean generate.temperature?)"),
     ("recipe=quickstart", "+recipe=quickstart"),
+    ("generate.stop_strings=abc", "generate.stop_strings=[abc]"),  # one value for a list: how to write the list
+    ("merge.gguf=q4_k_m", "'merge.quantize=[gguf-q4_k_m]'"),  # a 4-bit GGUF: where it is asked for
 ])
 def test_bad_overrides_name_the_key(override, key):
     register_resolvers()
@@ -161,6 +163,11 @@ def test_free_text_and_list_overrides_are_rewritten_for_hydra():
     assert compose_config(*free_form(["inspect.layers=5"]), command="inspect").inspect.layers == [5]
     assert compose_config(*free_form(["lora.target_modules=q_proj,v_proj"])).lora.target_modules == ["q_proj", "v_proj"]
     assert compose_config(*free_form(["lora.target_modules=q_proj"])).lora.target_modules == ["q_proj"]
+    # the lists of names and paths the docs show: one value (eval.bench_data=DIR, as $QWENFT_BENCH_DATA) or a comma list
+    config = compose_config(*free_form(["eval.bench_data=/data/bench", "eval.benchmarks=mmlu,gsm8k",
+                                        "merge.quantize=gguf-q4_k_m", "merge.gguf=f16"]), command="merge")
+    assert config.eval.bench_data == ["/data/bench"] and config.eval.benchmarks == ["mmlu", "gsm8k"]
+    assert config.merge.quantize == ["gguf-q4_k_m"]
 
 
 @pytest.mark.parametrize("text", ["a\\b", "it's", "end\\", "x\\'y", "\\\\'", "a ${x} b", "${oc.env:HOME}",

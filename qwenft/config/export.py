@@ -90,7 +90,10 @@ class MergeConfig:
     def __post_init__(self) -> None:
         _check_choice("merge.dtype", self.dtype, ("bfloat16", "float16", "float32"))
         _check_choice("merge.base", self.base, ("dequantized", "original"))
-        _check_choice("merge.gguf", self.gguf, ("none", "f16", "q8_0"))
+        kquant = "gguf-" + self.gguf.removeprefix("gguf-")  # merge.gguf=q4_k_m: a K-quant asked for in the wrong key
+        _check(self.gguf in ("none", "f16", "q8_0"), "merge.gguf", self.gguf, "choose one of: none, f16, q8_0" + (
+            f" (a {kquant[5:]} GGUF is made from the f16 one: merge.gguf=f16 'merge.quantize=[{kquant}]')"
+            if kquant in GGUF_METHODS else ""))
         if self.verify_gguf:
             import importlib.util
 

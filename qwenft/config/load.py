@@ -155,9 +155,9 @@ def omegaconf_message(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if key and names_an_unknown_key(first):  # suggest the intended one
         return unknown_key_message(str(key))
-    if key and first.endswith("is not a ListConfig, list or tuple."):  # one value where the schema has a list
+    if key and "is not a ListConfig, list or tuple" in first:  # OmegaConf's words for a single value given a list
         value = getattr(exc, "value", None)
-        return f"{key}={value}: a list is expected, in brackets: {key}=[{value}]"
+        return f"{key}={value!r} is not accepted; it is a list: {key}=[{value}] (several: '{key}=[a, b]')"
     if key:
         return f"{key}: {first}"
     return first

@@ -39,8 +39,24 @@ def find_folder(name: str, configured: List[str]) -> tuple:
     return next((f for f in tried if f.is_dir()), None), tried
 
 
+def _why_not(folder: Path, name: str) -> str:
+    """Why ``folder`` (``DIR/name``) is not a benchmark folder, when the reason is ``DIR`` itself: it does not exist,
+    it is a file, or it is (or holds the files of) the benchmark folder, one level too deep; else empty."""
+    parent = folder.parent
+    if not parent.exists():
+        return f" ({parent} does not exist)"
+    if not parent.is_dir():
+        return f" ({parent} is a file, not a directory)"
+    if parent.name == name:
+        return f" ({parent} is {name}/ itself: point at {parent.parent})"
+    if (parent / "dev").is_dir() or (parent / "test").is_dir() or (parent / "test.jsonl").is_file():
+        return f" ({parent} holds a benchmark's files themselves: they go in {folder}/)"
+    return ""
+
+
 def _missing(name: str, tried: List[Path]) -> str:
-    where = ", ".join(str(t) for t in tried) or f"nothing (eval.bench_data is empty and ${ENV} is unset)"
+    where = ", ".join(f"{t}{_why_not(t, name)}" for t in tried) \
+        or f"nothing (eval.bench_data is empty and ${ENV} is unset)"
     return (f"eval.benchmarks: {name}: no data directory; tried {where}. Point eval.bench_data=[DIR] (or ${ENV}) "
             f"at a directory holding {name}/ (the published files; qwenft ships none)")
 
