@@ -91,7 +91,7 @@ def test_zero3_keeps_the_layers_reused_within_the_reuse_distance(reuse, kept):
     """DeepSpeed's ``__params_to_release`` keeps a layer gathered when its backward comes within
     ``stage3_max_reuse_distance`` elements (default 1e9): the j-th layer from the last after 2j layers of the 0.5B's
     15.3M fp32 elements, so all 24 by default (1.37 GiB, the measured ~1.3 GiB rise a step), 4 with 1e8; plus the
-    lm_head qwenft's loss gathers. The old plan held two layers (115 MiB) or the lm_head (519 MiB)."""
+    lm_head qwenft's loss gathers. The old plan held two layers (117 MiB) or the lm_head (519 MiB)."""
     extra = (f"+dist.deepspeed.zero_optimization.stage3_max_reuse_distance={reuse}",) if reuse else ()
     config = compose_config(*ZERO3_HALF_B, *extra)
     arch = resolve_architecture(config.model)

@@ -53,7 +53,8 @@ class TrainSetup:
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
     ``sharding``: what FSDP / ZeRO shard (:func:`qwenft.plan.sharding.sharding_mode`) over ``processes``
     (``plan.processes``); ``reduce_buffers`` x ``reduce_buffer_elements``: ZeRO-1/2's gradient staging buffers
-    (:func:`qwenft.plan.sharding.zero_reduce_buffers`).
+    (:func:`qwenft.plan.sharding.zero_reduce_buffers`); ``zero``: ``dist.deepspeed.zero_optimization`` as sorted
+    items (ZeRO-3's gather limits, :func:`qwenft.plan.sharding.zero3_limits`).
     """
 
     device: str
@@ -73,7 +74,7 @@ class TrainSetup:
     processes: int = 1
     reduce_buffers: int = 0
     reduce_buffer_elements: int = 0
-    zero: tuple = ()  # dist.deepspeed.zero_optimization as sorted items (ZeRO-3's gather limits)
+    zero: tuple = ()
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
