@@ -30,11 +30,12 @@ from dist_memory.json with ``--one-process-from``; 2026-12-02, 2 cores shared wi
 3,117 / 3,116 MiB per rank (43 MiB over one process, planned 0: the weights stay whole) and peaks at 3,422 / 3,380
 MiB, 78 MiB over one process, planned 17 MiB over (its halved LoRA gradients and states are small; its reduce
 buckets on a CPU hold the LoRA gradients); the rest is DeepSpeed's own state, not modelled. ZeRO-3 starts at 1,958 /
-1,957 MiB (1,116 MiB under one process, planned 1,210) but peaks at 3,393 / 3,293 MiB, 49 MiB over one process
-where the plan has 708 MiB under (1,931 vs 2,639 MiB): a training step rises 1.27-1.33 GiB over its start RSS, the
-plan's gathered weights are 519 MiB (the lm_head at the loss); DeepSpeed's live-parameter cache
-(``stage3_max_live_parameters`` / ``stage3_max_reuse_distance``, 1e9 by default) and gloo's all-gather copies are
-the likely rest, not yet modelled (benchmarks/results/dist_memory_deepspeed_zero2.json, _zero3.json).
+1,957 MiB (1,116 MiB under one process, planned 1,210) but peaks at 3,393 / 3,293 MiB, 49 MiB over one process: a
+training step rises 1.27-1.33 GiB over its start RSS. The plan had 708 MiB under (519 MiB gathered: the lm_head at
+the loss); it now follows DeepSpeed's ``stage3_max_reuse_distance`` (1e9 elements: all 24 layers, 1,382 MiB, stay
+gathered to backward, plus the lm_head) and has 674 MiB over (3,313 vs 2,639 MiB, re-planned with ``--measured``):
+625 MiB high, about the lm_head, which does not show in the measured peak (benchmarks/results/
+dist_memory_deepspeed_zero2.json, _zero3.json).
 
     python benchmarks/dist_memory.py            # the embedded 0.5B, fp32, batch 1 x 64 tokens, 3 steps (~5 min)
     python benchmarks/dist_memory.py --dist deepspeed_zero3 --one-process-from benchmarks/results/dist_memory.json

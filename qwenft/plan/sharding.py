@@ -5,10 +5,19 @@ The sharding modes (``TrainSetup.sharding``, from ``dist.strategy`` and its pres
 - ``none`` (``dist=none``, ``ddp``, ZeRO stage 0): every process holds everything.
 - ``zero1``: AdamW states sharded over the processes (Rajbhandari et al. 2020, "ZeRO", section 5.1, P_os).
 - ``zero2``: states and gradients sharded (P_os+g); the weights stay whole in every process.
-- ``zero3``: weights (frozen base and LoRA), gradients and states sharded (P_os+g+p); DeepSpeed gathers a module's
-  weights when it runs and releases them after (``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``):
-  planned as the running decoder layer plus the prefetched next one while the layers run, and the embedding or
-  lm_head matrix while the loss runs.
+- ``zero3``: weights (frozen base and LoRA), gradients and states sharded (P_os+g+p). DeepSpeed 0.19.8 gathers a
+  module's weights when it runs (``runtime/zero/partitioned_param_coordinator.py``), but from the second step (the
+  module trace complete) ``release_sub_module`` -> ``__params_to_release`` keeps every parameter that the trace
+  uses again within ``stage3_max_reuse_distance`` elements (default 1e9, ``runtime/zero/config.py``): a decoder
+  layer's forward weights are used again in its backward, ``2 j`` layers later for the ``j``-th layer from the
+  last, so ``min(L, ceil(reuse / (2 x layer elements)))`` layers stay gathered from their forward to their backward
+  (all 24 of the 0.5B: 15.1M elements a layer). ``stage3_max_live_parameters`` (default 1e9) caps only what
+  ``_fetch_sub_module_impl`` prefetches (``min(max_live - available, stage3_prefetch_bucket_size)``), not the kept
+  layers; the prefetch bucket (``auto``: 0.9 x hidden^2, transformers' ``trainer_config_finalize``) is counted in
+  backward when not every layer is kept. Planned: the kept layers plus qwenft's loss gathering the lm_head
+  (``qwenft.train.loss._gathered``, ``GatheredParameters``) at the loss; in backward the kept layers, or the running
+  layer plus the prefetch bucket. Not counted: parameters under ``stage3_param_persistence_threshold`` (``auto``:
+  10 x hidden elements) stay whole in every process (``ds_persist``): norms, biases, small LoRA matrices, a few MB.
 - ``fsdp``: PyTorch FSDP2 (``fully_shard``) with ``reshard_after_forward: true``, the ``dist=fsdp`` preset, grouped
   as accelerate 1.15 groups it (``accelerate.utils.fsdp_utils.fsdp2_prepare_model``): each ``Qwen2DecoderLayer``
   (with its LoRA weights), the input embedding (untied), and the tail ``[final norm, lm_head]`` (with the embedding
@@ -92,7 +101,29 @@ def shard(mode: str, processes: int, weights: int, lora_weights: int, gradients:
             "step": split(step, n) if optim else step}
 
 
-def gathered(mode: str, processes: int, layer: int, head: int, everything: int, gloo: bool = False) -> Dict[str, int]:
+def zero3_limits(zero: Mapping[str, Any], hidden: int) -> Dict[str, int]:
+    """ZeRO-3's gather limits in elements from ``dist.deepspeed.zero_optimization``: ``reuse``
+    (``stage3_max_reuse_distance``), ``live`` (``stage3_max_live_parameters``), ``prefetch``
+    (``stage3_prefetch_bucket_size``); DeepSpeed's defaults (1e9, 1e9, 5e7, ``runtime/zero/config.py``) when unset,
+    transformers' fill for ``auto`` (prefetch 0.9 x ``hidden``^2)."""
+    def value(key: str, default: int, auto: int) -> int:
+        got = zero.get(key, default)
+        return auto if got == "auto" else int(got)
+    return {"reuse": value("stage3_max_reuse_distance", 10**9, 10**9),
+            "live": value("stage3_max_live_parameters", 10**9, 10**9),
+            "prefetch": value("stage3_prefetch_bucket_size", 5 * 10**7, int(0.9 * hidden * hidden))}
+
+
+def zero3_kept_layers(reuse: int, layer_elements: int, layers: int) -> int:
+    """Decoder layers ZeRO-3 keeps gathered from forward to backward: the ``j``-th from the last is used again
+    after ``2 j`` layers' elements, kept while that is under ``reuse`` (``__params_to_release``)."""
+    if reuse <= 0 or layer_elements <= 0:
+        return 0
+    return min(layers, math.ceil(reuse / (2 * layer_elements)))
+
+
+def gathered(mode: str, processes: int, layer: int, head: int, everything: int, gloo: bool = False,
+             zero3: Mapping[str, int] = None) -> Dict[str, int]:
     """Bytes of unsharded weights a process holds besides its shards (see the module docstring for each mode).
 
     Args:
@@ -102,6 +133,8 @@ def gathered(mode: str, processes: int, layer: int, head: int, everything: int, 
             largest matrix outside the layers.
         everything: all the weights (base and LoRA).
         gloo: CPU processes (gloo's all-gather holds a third copy of the group, see the module docstring).
+        zero3: for ``zero3``: ``kept`` (:func:`zero3_kept_layers`) of ``all`` decoder layers, ``prefetch`` (bytes
+            of the prefetch bucket).
 
     Returns:
         ``loss``: held while the loss runs; ``at_gather``: held at the all-gather just before it (activations
@@ -115,7 +148,10 @@ def gathered(mode: str, processes: int, layer: int, head: int, everything: int, 
         return {"loss": head, "at_gather": copies * head, "layers": head + (1 + copies) * layer}
     if mode == "fsdp_no_reshard":
         return {"loss": everything, "at_gather": everything, "layers": everything}
-    return {"loss": head, "at_gather": head, "layers": 2 * layer}  # zero3: gathered as they run, the next prefetched
+    z = zero3 or {"kept": 0, "all": 1, "prefetch": layer}  # zero3: layers kept from forward to backward
+    kept = z["kept"] * layer
+    layers = kept if z["kept"] >= z["all"] else max(kept, layer) + min(z["prefetch"], layer)
+    return {"loss": kept + head, "at_gather": kept + head, "layers": layers}
 
 
 def zero_reduce_buffers(mode: str, deepspeed: Mapping[str, Any]) -> Dict[str, int]:
