@@ -157,7 +157,7 @@ def omegaconf_message(exc: BaseException) -> str:
         return unknown_key_message(str(key))
     if key and "is not a ListConfig, list or tuple" in first:  # OmegaConf's words for a single value given a list
         value = getattr(exc, "value", None)
-        return f"{key}={value!r} is not accepted; it is a list: {key}=[{value}] (several: '{key}=[a, b]')"
+        return f"{key}={value}: a list is expected, in brackets: {key}=[{value}]"
     if key:
         return f"{key}: {first}"
     return first
