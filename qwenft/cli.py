@@ -168,9 +168,10 @@ def _quiet_wandb_notice(command: str) -> None:
     """transformers prints "[INFO] Running in WANDB offline mode" on stdout when its W&B integration is imported
     with WANDB_MODE=offline; for a command that may import it, import it now with that line dropped (the user set
     the mode; wandb says so itself on stderr when a run logs to it), so a redirected result, and the line of a config
-    error, stays clean. ``data`` loads a tokenizer only and never imports it: it is spared that import (5-7 s of
-    transformers' Trainer, peft, bitsandbytes and torch on 2 cores)."""
-    if os.environ.get("WANDB_MODE") == "offline" and command != "data":
+    error, stays clean. Called after the config checks, so a refused override is one line in ~1 s, not after that
+    import (10-14 s of transformers' Trainer, peft, bitsandbytes and torch on 2 cores); ``data`` (a tokenizer only)
+    and ``plan`` (config.json only) never import it and are spared it."""
+    if os.environ.get("WANDB_MODE") == "offline" and command not in ("data", "plan"):
         import contextlib
         import io
 
@@ -237,7 +238,6 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
         print(command_help(command, COMMAND_TABLE[command][0], overrides), end="")
         return
     locks: List[RunLock] = []
-    _quiet_wandb_notice(command)
     try:
         _checked_run(command, rest, parsed, overrides, locks)
     except QwenftError as exc:  # a run directory in use (the other user errors are handled where they arise)
@@ -258,6 +258,7 @@ def _checked_run(command: str, rest: Sequence[str], parsed, overrides: List[str]
             preflight(configs[0], command)  # a missing package or GPU stops here, before Hydra writes anything
         except QwenftError as exc:
             fail(str(exc))
+        _quiet_wandb_notice(command)  # after the config checks: a bad override is refused without this import
         if command in RUN_DIR_COMMANDS:
             for config in configs:
                 blocking = file_in_the_way(config.out_dir)
@@ -285,4 +286,5 @@ def _checked_run(command: str, rest: Sequence[str], parsed, overrides: List[str]
             except QwenftError as exc:
                 fail(str(exc))
     flags = [a for a in rest if a not in parsed.overrides]
+    _quiet_wandb_notice(command)  # --cfg / --info too (imported once)
     _run_hydra(command, [*overrides, *launch], flags, existing)
