@@ -574,22 +574,14 @@ def test_gguf_tokenizer_fields_of_the_real_qwen_tokenizer(embedded_dir):
 
 
 @pytest.mark.slow
-def test_embedded_merge(tmp_path, embedded_dir):
-    """The 0.5B model with a 16-bit-base adapter, merged in float32. The NF4 path is covered on tiny-random
-    above; on 2 CPU cores its NF4 load and round trip would double this test's time."""
+def test_embedded_merge(embedded_merge, embedded_dir):
+    """The 0.5B model with a 16-bit-base adapter, merged in float32 (the merge the conftest fixture shares). The NF4
+    path is covered on tiny-random above; on 2 CPU cores its NF4 load and round trip would double this test's time.
+    float32: this suite's CPUs lack native bfloat16 GEMMs (bfloat16 is tens of times slower there), and the float32
+    check is the strict one (1e-5 of max|z|); bfloat16 merges are covered on tiny-random."""
     from safetensors import safe_open
 
-    from qwenft.export import merge
-
-    adapter = tmp_path / "run" / "adapter"
-    start = time.perf_counter()
-    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
-    made = time.perf_counter()
-    out = tmp_path / "merged"
-    # float32: this suite's CPUs lack native bfloat16 GEMMs (bfloat16 is tens of times slower there), and the
-    # float32 check is the strict one (1e-5 of max|z|). bfloat16 merges are covered on tiny-random.
-    merge(merge_config(adapter, out, "merge.dtype=float32"), device="cpu")
-    print(f"0.5B: adapter {made - start:.0f} s, merge + verification {time.perf_counter() - made:.0f} s")
+    out, adapter = embedded_merge, embedded_merge.parent / "run" / "adapter"
     record = read_record(out)
     check = record["verification"]["merge"]
     print(f"0.5B float32 merge: max|delta logit| {check['max_abs_logit_delta']:.3g} "

@@ -152,23 +152,17 @@ def test_tiny_random_merge_is_checked_by_llama_cpp_and_broken_ggufs_are_rejected
 
 
 @pytest.mark.slow
-def test_embedded_merge_checked_by_llama_cpp(tmp_path, embedded_dir):
-    """The 0.5B model with a random r=8 adapter, merged in float32 with an f16 GGUF run by llama.cpp; then a q8_0
-    GGUF of the same merge against the same HF tokens."""
+def test_embedded_merge_checked_by_llama_cpp(tmp_path, embedded_merge):
+    """The 0.5B model with a random r=8 adapter, merged in float32 with an f16 GGUF run by llama.cpp (the merge the
+    conftest fixture shares); then a q8_0 GGUF of the same merge against the same HF tokens."""
     pytest.importorskip("llama_cpp")
-    from qwenft.export import merge
     from qwenft.export.gguf_file import write_gguf
     from qwenft.model import load_tokenizer
 
-    adapter = tmp_path / "run" / "adapter"
-    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
-    out = tmp_path / "merged"
-    start = time.perf_counter()
-    merge(merge_config(adapter, out, "merge.dtype=float32", "merge.gguf=f16", "merge.verify_gguf=true"),
-          device="cpu")
+    out = embedded_merge
     record = json.loads((out / "qwenft_merge.json").read_text())
     check = record["verification"]["llama_cpp"]
-    print(f"0.5B merge + checks {time.perf_counter() - start:.0f} s; llama.cpp f16: {check['identical']}/"
+    print(f"0.5B llama.cpp f16: {check['identical']}/"
           f"{check['compared']} identical ({check['seconds']} s)")
     assert check["passed"] and check["identical"] == check["compared"] > 0
     assert check["chat"] == {"eos": 151645, "eot": 151645, "hf_eos": HF_EOS, "problems": []}
