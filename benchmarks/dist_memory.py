@@ -31,14 +31,19 @@ from dist_memory.json with ``--one-process-from``; 2026-12-02, 2 cores shared wi
 MiB, 78 MiB over one process, planned 17 MiB over (its halved LoRA gradients and states are small; its reduce
 buckets on a CPU hold the LoRA gradients); the rest is DeepSpeed's own state, not modelled. ZeRO-3 starts at 1,958 /
 1,957 MiB (1,116 MiB under one process, planned 1,210) but peaks at 3,393 / 3,293 MiB, 49 MiB over one process: a
-training step rises 1.27-1.33 GiB over its start RSS. The plan had 708 MiB under (519 MiB gathered: the lm_head at
-the loss); it now follows DeepSpeed's ``stage3_max_reuse_distance`` (1e9 elements: all 24 layers, 1,382 MiB, stay
-gathered to backward, plus the lm_head) and has 674 MiB over (3,313 vs 2,639 MiB, re-planned with ``--measured``):
-625 MiB high, about the lm_head, which does not show in the measured peak (benchmarks/results/
-dist_memory_deepspeed_zero2.json, _zero3.json).
+training step rises 1.27-1.33 GiB over its start RSS.
+``--probe`` (2026-12-03, a rerun: peaks 3,382 / 3,286 MiB) shows why: no decoder-layer parameter is gathered at the
+loss or when the last layer's backward starts, in any step, and DeepSpeed's ``reset_step`` never runs (it is called
+by the root module's forward pre-hook; qwenft's loss runs the body), so its trace never completes and its
+keep-for-reuse rule never applies. The peak is at the lm_head's gather in the loss: 1,038-1,039 MiB over the RSS
+before it, 2 x the 519 MiB lm_head (the parameter and gloo's output). Planned now: 225 MiB under one process (was
+674 over with 24 kept layers, 708 under before that), measured 49 over (rank 0); the 274 MiB left are DeepSpeed's
+memory at the start (94 MiB) and rank 0's RSS before the loss rising 135 MiB more than one process's by step 3
+(rank 1: 8 MiB), not modelled (benchmarks/results/dist_memory_deepspeed_zero2.json, _zero3.json, "probe").
 
     python benchmarks/dist_memory.py            # the embedded 0.5B, fp32, batch 1 x 64 tokens, 3 steps (~5 min)
     python benchmarks/dist_memory.py --dist deepspeed_zero3 --one-process-from benchmarks/results/dist_memory.json
+    python benchmarks/dist_memory.py --dist deepspeed_zero3 --probe ...   # + gathered parameters at the loss
     python benchmarks/dist_memory.py --quick    # a scaled-up tiny-random model (seconds)
 
 Results: benchmarks/results/dist_memory.json (dist_memory_quick.json).
@@ -113,6 +118,62 @@ main(sys.argv[1:])
 """
 
 
+# With --probe (ZeRO-3): at the loss (inside qwenft's lm_head gather) and when the last layer's backward starts, each
+# rank writes the MiB of parameters DeepSpeed holds gathered (ds_status not NOT_AVAILABLE, ds_persist left out) by
+# part, its RSS and VmHWM, and how often DeepSpeed's trace was reset (reset_step) so far.
+PROBE = """
+import contextlib, re
+import qwenft.train.loss as loss_module
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from qwenft.runtime import _status_bytes
+PROBED = {"model": None, "step": 0, "resets": 0}
+
+def census(where):
+    parts = {"embed_tokens": 0, "lm_head": 0, "layers": 0, "other": 0}
+    layers = set()
+    for name, p in PROBED["model"].named_parameters():
+        if not hasattr(p, "ds_id") or p.ds_persist or p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            continue
+        layer = re.search(r"layers\\.(\\d+)\\.", name)
+        part = next((k for k in ("embed_tokens", "lm_head") if k in name), "layers" if layer else "other")
+        parts[part] += p.ds_numel * p.element_size() / 2**20
+        layers.update([int(layer.group(1))] if layer else [])
+    record = {"where": where, "step": PROBED["step"], "gathered_mib": parts, "gathered_layers": len(layers),
+              "rss_mib": _status_bytes("VmRSS") / 2**20, "hwm_mib": _status_bytes("VmHWM") / 2**20,
+              "reset_step_calls": PROBED["resets"]}
+    with open(Path(os.environ["MEM_OUT"], f"probe-rank{os.environ.get('RANK', '0')}.jsonl"), "a") as out:
+        out.write(json.dumps(record) + "\\n")
+
+_reset = Coordinator.reset_step
+def reset_step(self):
+    PROBED["resets"] += 1
+    _reset(self)
+Coordinator.reset_step = reset_step
+_gathered = loss_module._gathered
+@contextlib.contextmanager
+def gathered(weight):
+    census("loss, before the lm_head gather")
+    with _gathered(weight) as whole:
+        census("loss, lm_head gathered")
+        yield whole
+loss_module._gathered = gathered
+
+class Probe(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        PROBED["model"] = model
+        last = (model.get_base_model() if hasattr(model, "get_base_model") else model).model.layers[-1]
+        def forward_end(module, inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if hidden.requires_grad:
+                hidden.register_hook(lambda grad: census("backward of the last layer starts"))
+        last.register_forward_hook(forward_end)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        PROBED["step"] += 1
+"""
+
+
 def overrides(quick: bool, rows: Path, steps: int, seq: int) -> list:
     model = [*TINY_SHAPE] if quick else ["model=qwen2.5-coder-0.5b-embedded"]
     # fp32 weights: converted from the bf16 file into anonymous memory when loaded, so RSS holds them from the start
@@ -124,11 +185,15 @@ def overrides(quick: bool, rows: Path, steps: int, seq: int) -> list:
             "train.logging_steps=1", "train.batch_size=1", "eval.after_train=false", "logger=none"]
 
 
-def launch(work: Path, args: list, processes: int, timeout: int, dist: str = "fsdp") -> list:
-    """Train in ``work`` with 1 process or ``processes`` torchrun ranks; the per-rank memory records."""
+def launch(work: Path, args: list, processes: int, timeout: int, dist: str = "fsdp", probe: bool = False) -> list:
+    """Train in ``work`` with 1 process or ``processes`` torchrun ranks; the per-rank memory records (with the
+    ``probe`` records of :data:`PROBE` when asked)."""
     work.mkdir(parents=True, exist_ok=True)
     launcher = work / "launch.py"
-    launcher.write_text(LAUNCHER)
+    launcher.write_text(LAUNCHER.replace("    trainer.add_callback(TrainPeak())\n",
+                                         "    trainer.add_callback(TrainPeak())\n    trainer.add_callback(Probe())\n")
+                        .replace("from qwenft.cli import main\n", PROBE + "from qwenft.cli import main\n")
+                        if probe else LAUNCHER)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT), "MEM_OUT": str(work),
            "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
@@ -140,7 +205,11 @@ def launch(work: Path, args: list, processes: int, timeout: int, dist: str = "fs
     done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{command} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return [json.loads(p.read_text()) for p in sorted(work.glob("mem-rank*.json"))]
+    records = [json.loads(p.read_text()) for p in sorted(work.glob("mem-rank*.json"))]
+    for record in records if probe else []:
+        lines = (work / f"probe-rank{record['rank']}.jsonl").read_text().splitlines()
+        record["probe"] = [json.loads(line) for line in lines]
+    return records
 
 
 def predicted(args: list, processes: int, dist: str = "fsdp") -> dict:
@@ -163,6 +232,8 @@ def main() -> None:
                         help="the preset of the 2-process run (deepspeed: installed, its CPU accelerator)")
     parser.add_argument("--one-process-from", default=None,
                         help="reuse the 'one_process' record of a results JSON with the same overrides")
+    parser.add_argument("--probe", action="store_true",
+                        help="deepspeed_zero3: record the gathered parameters at the loss and the first backward")
     opts = parser.parse_args()
     from tests.test_train import write_rows
 
@@ -176,7 +247,7 @@ def main() -> None:
             one = (json.loads(Path(opts.one_process_from).read_text())["one_process"] if opts.one_process_from
                    else launch(Path(tmp) / "one", args, 1, 1800))
             print("1 process:", one, flush=True)
-            two = launch(Path(tmp) / "two", args, 2, 1800, opts.dist)
+            two = launch(Path(tmp) / "two", args, 2, 1800, opts.dist, opts.probe)
             print("2 processes:", two, flush=True)
     plan1, plan2 = predicted(args, 1), predicted(args, 2, opts.dist)
     peak1 = one[0]["peak_rss"]

@@ -60,7 +60,9 @@ SHARDED_ROWS = {
     "zero2": "gradients and AdamW states divided by the processes (ZeRO-2); weights and LoRA weights whole; plus "
              "DeepSpeed's gradient buckets (reduce_bucket_size fp32 elements, two with overlap_comm)",
     "zero3": "weights, LoRA weights, gradients and AdamW states divided by the processes (ZeRO-3), plus the "
-             "gathered weights: the running and the prefetched decoder layer, the embedding or lm_head at the loss",
+             "gathered weights: the lm_head qwenft's loss gathers (2 copies at its all-gather with gloo on CPU "
+             "processes) and in backward the running decoder layer; none kept or prefetched (DeepSpeed's trace "
+             "never completes: qwenft's loss does not run the root module's forward)",
     "fsdp": "weights, LoRA weights, gradients and AdamW states divided by the processes (FSDP2 full shard), plus the "
             "gathered weights: lm_head and final norm (accelerate's tail group, kept from the loss to the end of "
             "backward; 2 copies at its all-gather, 3 with gloo on CPU processes) and in backward the running and the "

@@ -53,8 +53,7 @@ class TrainSetup:
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
     ``sharding``: what FSDP / ZeRO shard (:func:`qwenft.plan.sharding.sharding_mode`) over ``processes``
     (``plan.processes``); ``reduce_buffers`` x ``reduce_buffer_elements``: ZeRO-1/2's gradient staging buffers
-    (:func:`qwenft.plan.sharding.zero_reduce_buffers`); ``zero``: ``dist.deepspeed.zero_optimization`` as sorted
-    items (ZeRO-3's gather limits, :func:`qwenft.plan.sharding.zero3_limits`).
+    (:func:`qwenft.plan.sharding.zero_reduce_buffers`).
     """
 
     device: str
@@ -74,7 +73,6 @@ class TrainSetup:
     processes: int = 1
     reduce_buffers: int = 0
     reduce_buffer_elements: int = 0
-    zero: tuple = ()
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
@@ -111,8 +109,7 @@ class TrainSetup:
                    gradient_checkpointing=config.train.gradient_checkpointing, optim=optim,
                    grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels,
                    sharding=mode, processes=config.plan.processes, reduce_buffers=buffers["count"],
-                   reduce_buffer_elements=buffers["elements"],
-                   zero=tuple(sorted((dcfg.deepspeed.get("zero_optimization") or {}).items())))
+                   reduce_buffer_elements=buffers["elements"])
 
 
 def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKSIZE) -> int:
@@ -338,7 +335,7 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
         ``step_phase``, ``peak``.
     """
     from qwenft.plan.arch import lora_parameter_count
-    from qwenft.plan.sharding import gathered, shard, zero3_kept_layers, zero3_limits
+    from qwenft.plan.sharding import gathered, shard
 
     terms = activation_terms(arch, setup, batch, seq)
     L = arch.num_hidden_layers
@@ -354,11 +351,8 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     outside = by_part["embeddings"] + by_part["lm_head"] + final_norm
     head = (by_part["lm_head"] if by_part["lm_head"] else by_part["embeddings"]) + final_norm  # FSDP's tail group
     layer = (by_part["total"] - outside + 4 * n_lora) // L
-    limits = zero3_limits(dict(setup.zero), arch.hidden_size)  # ZeRO-3 keeps layers by element count (model dtype)
-    zero3 = {"kept": zero3_kept_layers(limits["reuse"], layer // setup.model_bytes, L), "all": L,
-             "prefetch": limits["prefetch"] * setup.model_bytes}
     gather = gathered(setup.sharding, setup.processes, layer, head, by_part["total"] + 4 * n_lora,
-                      gloo=setup.device == "cpu", zero3=zero3)
+                      gloo=setup.device == "cpu")
     consts = L * terms["layer_constants"]
     shared = terms["final"]
     loss = terms["loss_saved"] + terms["loss_transient"]

@@ -6,18 +6,21 @@ The sharding modes (``TrainSetup.sharding``, from ``dist.strategy`` and its pres
 - ``zero1``: AdamW states sharded over the processes (Rajbhandari et al. 2020, "ZeRO", section 5.1, P_os).
 - ``zero2``: states and gradients sharded (P_os+g); the weights stay whole in every process.
 - ``zero3``: weights (frozen base and LoRA), gradients and states sharded (P_os+g+p). DeepSpeed 0.19.8 gathers a
-  module's weights when it runs (``runtime/zero/partitioned_param_coordinator.py``), but from the second step (the
-  module trace complete) ``release_sub_module`` -> ``__params_to_release`` keeps every parameter that the trace
-  uses again within ``stage3_max_reuse_distance`` elements (default 1e9, ``runtime/zero/config.py``): a decoder
-  layer's forward weights are used again in its backward, ``2 j`` layers later for the ``j``-th layer from the
-  last, so ``min(L, ceil(reuse / (2 x layer elements)))`` layers stay gathered from their forward to their backward
-  (all 24 of the 0.5B: 15.1M elements a layer). ``stage3_max_live_parameters`` (default 1e9) caps only what
-  ``_fetch_sub_module_impl`` prefetches (``min(max_live - available, stage3_prefetch_bucket_size)``), not the kept
-  layers; the prefetch bucket (``auto``: 0.9 x hidden^2, transformers' ``trainer_config_finalize``) is counted in
-  backward when not every layer is kept. Planned: the kept layers plus qwenft's loss gathering the lm_head
-  (``qwenft.train.loss._gathered``, ``GatheredParameters``) at the loss; in backward the kept layers, or the running
-  layer plus the prefetch bucket. Not counted: parameters under ``stage3_param_persistence_threshold`` (``auto``:
-  10 x hidden elements) stay whole in every process (``ds_persist``): norms, biases, small LoRA matrices, a few MB.
+  module's weights when it runs and releases them after (``runtime/zero/partitioned_param_coordinator.py``). Its
+  keep-for-reuse rule (``__params_to_release``, ``stage3_max_reuse_distance``) and its prefetch need a complete module
+  trace, and the trace only advances in ``reset_step``, which runs in the root module's forward pre-hook
+  (``parameter_offload.py``, ``_start_of_forward_hook``). qwenft's loss runs the body (``causal.model``), never the
+  root's forward (:func:`qwenft.train.loss.supervised_loss_sum`), so the trace stays ``INVALID``: every module is
+  released after its forward and after its backward, nothing is prefetched, no layer is kept. Seen on 2 CPU processes
+  (embedded 0.5B, fp32, 3 steps): no decoder-layer parameter is gathered (``ds_status``) at the loss or when the
+  last layer's backward starts, in any step, and ``reset_step`` never ran. qwenft's loss gathers the lm_head
+  (``qwenft.train.loss._gathered``, ``GatheredParameters``): whole through the loss, and ``copies`` of it at its
+  all-gather: the parameter, plus gloo's own flat output on CPU processes (measured: the peak rises 1,038-1,039 MiB,
+  2 x the 519 MiB lm_head, over the RSS before the gather, and the RSS 519 MiB inside it). Planned: the lm_head at
+  the loss, ``copies`` x it at its gather, and the running layer (``copies`` at its gather) in backward. The
+  embedding's gather, at the start of the forward, holds as much with no activations yet and is left out. Not
+  counted: parameters under ``stage3_param_persistence_threshold`` (``auto``: 10 x hidden elements) stay whole in
+  every process (``ds_persist``): norms, biases, small LoRA matrices (6.4 MiB on the 0.5B).
 - ``fsdp``: PyTorch FSDP2 (``fully_shard``) with ``reshard_after_forward: true``, the ``dist=fsdp`` preset, grouped
   as accelerate 1.15 groups it (``accelerate.utils.fsdp_utils.fsdp2_prepare_model``): each ``Qwen2DecoderLayer``
   (with its LoRA weights), the input embedding (untied), and the tail ``[final norm, lm_head]`` (with the embedding
@@ -101,40 +104,16 @@ def shard(mode: str, processes: int, weights: int, lora_weights: int, gradients:
             "step": split(step, n) if optim else step}
 
 
-def zero3_limits(zero: Mapping[str, Any], hidden: int) -> Dict[str, int]:
-    """ZeRO-3's gather limits in elements from ``dist.deepspeed.zero_optimization``: ``reuse``
-    (``stage3_max_reuse_distance``), ``live`` (``stage3_max_live_parameters``), ``prefetch``
-    (``stage3_prefetch_bucket_size``); DeepSpeed's defaults (1e9, 1e9, 5e7, ``runtime/zero/config.py``) when unset,
-    transformers' fill for ``auto`` (prefetch 0.9 x ``hidden``^2)."""
-    def value(key: str, default: int, auto: int) -> int:
-        got = zero.get(key, default)
-        return auto if got == "auto" else int(got)
-    return {"reuse": value("stage3_max_reuse_distance", 10**9, 10**9),
-            "live": value("stage3_max_live_parameters", 10**9, 10**9),
-            "prefetch": value("stage3_prefetch_bucket_size", 5 * 10**7, int(0.9 * hidden * hidden))}
-
-
-def zero3_kept_layers(reuse: int, layer_elements: int, layers: int) -> int:
-    """Decoder layers ZeRO-3 keeps gathered from forward to backward: the ``j``-th from the last is used again
-    after ``2 j`` layers' elements, kept while that is under ``reuse`` (``__params_to_release``)."""
-    if reuse <= 0 or layer_elements <= 0:
-        return 0
-    return min(layers, math.ceil(reuse / (2 * layer_elements)))
-
-
-def gathered(mode: str, processes: int, layer: int, head: int, everything: int, gloo: bool = False,
-             zero3: Mapping[str, int] = None) -> Dict[str, int]:
+def gathered(mode: str, processes: int, layer: int, head: int, everything: int, gloo: bool = False) -> Dict[str, int]:
     """Bytes of unsharded weights a process holds besides its shards (see the module docstring for each mode).
 
     Args:
         mode: one of :data:`MODES`; processes: ``N``.
         layer: one decoder layer's weights with its LoRA weights (training dtypes).
-        head: the lm_head with the final norm (FSDP's tail group; the embedding when tied), or for ZeRO-3 the
-            largest matrix outside the layers.
+        head: the lm_head with the final norm (FSDP's tail group; the embedding when tied; what qwenft's loss
+            gathers under ZeRO-3).
         everything: all the weights (base and LoRA).
-        gloo: CPU processes (gloo's all-gather holds a third copy of the group, see the module docstring).
-        zero3: for ``zero3``: ``kept`` (:func:`zero3_kept_layers`) of ``all`` decoder layers, ``prefetch`` (bytes
-            of the prefetch bucket).
+        gloo: CPU processes (gloo's all-gather holds its own copy of the output, see the module docstring).
 
     Returns:
         ``loss``: held while the loss runs; ``at_gather``: held at the all-gather just before it (activations
@@ -143,15 +122,13 @@ def gathered(mode: str, processes: int, layer: int, head: int, everything: int, 
     """
     if processes == 1 or mode not in ("zero3", "fsdp", "fsdp_no_reshard"):
         return {"loss": 0, "at_gather": 0, "layers": 0}
+    if mode == "zero3":  # nothing kept (the trace never completes): the lm_head at the loss, the running layer
+        copies = 2 if gloo else 1  # the gathered parameter (+ gloo's output)
+        return {"loss": head, "at_gather": copies * head, "layers": copies * layer}
     copies = 3 if gloo else 2  # a group at its all-gather: flat buffer + unsharded parameters (+ gloo's output)
     if mode == "fsdp":  # the tail through the loss and backward; backward: running layer + the prefetched at its gather
         return {"loss": head, "at_gather": copies * head, "layers": head + (1 + copies) * layer}
-    if mode == "fsdp_no_reshard":
-        return {"loss": everything, "at_gather": everything, "layers": everything}
-    z = zero3 or {"kept": 0, "all": 1, "prefetch": layer}  # zero3: layers kept from forward to backward
-    kept = z["kept"] * layer
-    layers = kept if z["kept"] >= z["all"] else max(kept, layer) + min(z["prefetch"], layer)
-    return {"loss": kept + head, "at_gather": kept + head, "layers": layers}
+    return {"loss": everything, "at_gather": everything, "layers": everything}  # fsdp_no_reshard
 
 
 def zero_reduce_buffers(mode: str, deepspeed: Mapping[str, Any]) -> Dict[str, int]:
