@@ -27,6 +27,15 @@ def compose_config(*overrides: str, command: str = "train"):
 
 
 @pytest.fixture(autouse=True)
+def _no_inherited_width(monkeypatch):
+    """A test sees the width a plain pipe has: no ``COLUMNS`` / ``LINES`` from the shell or from pytest-xdist, whose
+    workers set ``COLUMNS=80`` (results printed off a terminal are then 80 columns wide and their lines wrap, where a
+    serial run prints them whole). A test about the width sets ``COLUMNS`` itself."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _restore_logging():
     """Remove the log handlers a test left behind: an in-process ``qwenft.cli.main`` lets Hydra configure logging
     with a handler on that test's captured stderr, which pytest closes afterwards; a later test's log line would

@@ -936,8 +936,9 @@ def test_preview_says_how_long_the_data_took_on_a_miss_and_a_hit(tmp_path, monke
     seen = []
     for _ in range(2):
         main(argv)
-        found = re.search(pattern, capsys.readouterr().out)
-        assert found, "no data-ready line"
+        out = capsys.readouterr().out
+        found = re.search(pattern, out)
+        assert found, f"no data-ready line in:\n{out}"
         hits, misses, total, tokenizer_s, build_s = found.groups()
         # each printed to 0.1 s, so the sum of the rounded parts is within 0.1 s of the rounded total
         assert abs(float(total) - float(tokenizer_s) - float(build_s)) <= 0.1 + 1e-9
