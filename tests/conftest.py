@@ -85,3 +85,23 @@ def embedded_dir():
         return embedded_model_dir()
     except QwenftError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def embedded_merge(tmp_path_factory, embedded_dir) -> Path:
+    """One merge of the 0.5B with a seeded random r=8 adapter, shared by the slow export tests of test_export,
+    test_gguf_check and test_quantize (each merge of the 0.5B is 1-2 minutes on 2 cores): float32 (the strict
+    check), and where llama-cpp-python is installed also an f16 GGUF run by llama.cpp and a Q4_K_M made from it
+    with its cost rows. Returns the merge's directory; its adapter is ``<dir>/../run/adapter``."""
+    import importlib.util
+
+    from qwenft.export import merge
+    from tests.test_export import make_adapter, merge_config
+
+    root = tmp_path_factory.mktemp("embedded_merge")
+    adapter = root / "run" / "adapter"
+    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
+    gguf = ("merge.gguf=f16", "merge.verify_gguf=true", "merge.quantize=[gguf-q4_k_m]",
+            "eval.max_new_tokens=8", "eval.max_eval_prompts=3") if importlib.util.find_spec("llama_cpp") else ()
+    merge(merge_config(adapter, root / "merged", "merge.dtype=float32", *gguf), device="cpu")
+    return root / "merged"

@@ -182,7 +182,7 @@ def test_every_page_is_in_the_nav_and_the_readme_links_to_each():
     assert len(read(README).splitlines()) <= 150
     first = blocks(read(README))[0][1].splitlines()  # the two commands come first: run the main job; run the tests
     assert [line.rpartition("&& ")[2] for line in first] == ["python -m qwenft train +recipe=quickstart",
-                                                             "python -m pytest -q -n 2"]
+                                                             "python -m pytest -q"]
 
 
 # --- the commands -----------------------------------------------------------------------------------------------

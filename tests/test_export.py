@@ -572,3 +572,34 @@ def test_gguf_tokenizer_fields_of_the_real_qwen_tokenizer(embedded_dir):
     assert tokens[151645] == "<|im_end|>" and types[151645] == int(gguf.TokenType.CONTROL)
     assert types.count(int(gguf.TokenType.UNUSED)) == 151936 - len(tokenizer)
 
+
+@pytest.mark.slow
+def test_embedded_merge(embedded_merge, embedded_dir):
+    """The 0.5B model with a 16-bit-base adapter, merged in float32 (the merge the conftest fixture shares). The NF4
+    path is covered on tiny-random above; on 2 CPU cores its NF4 load and round trip would double this test's time.
+    float32: this suite's CPUs lack native bfloat16 GEMMs (bfloat16 is tens of times slower there), and the float32
+    check is the strict one (1e-5 of max|z|); bfloat16 merges are covered on tiny-random."""
+    from safetensors import safe_open
+
+    out, adapter = embedded_merge, embedded_merge.parent / "run" / "adapter"
+    record = read_record(out)
+    check = record["verification"]["merge"]
+    print(f"0.5B float32 merge: max|delta logit| {check['max_abs_logit_delta']:.3g} "
+          f"(tolerance {check['tolerance']:.3g})")
+    assert check["passed"] and check["greedy"] == ["equal"] * 3  # greedy text equal on all 3 prompts
+    saved = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in saved and saved["dtype"] == "float32"
+    assert saved["tie_word_embeddings"] is False  # the embedded model has an untied lm_head
+    assert set(json.loads((out / "generation_config.json").read_text())["eos_token_id"]) >= {151645, 151643}
+    # The adapter is not a no-op, and it is what was merged: merged q_proj - base q_proj = (alpha/r) B @ A,
+    # up to float32 rounding of the sum (2^-24 of |W| per entry).
+    from safetensors.torch import load_file
+
+    lora = load_file(adapter / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    delta = 2.0 * lora[f"{prefix}.lora_B.weight"].float() @ lora[f"{prefix}.lora_A.weight"].float()
+    with safe_open(str(out / "model.safetensors"), "pt") as merged, \
+            safe_open(str(embedded_dir / "model.safetensors"), "pt") as base:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        diff = merged.get_tensor(name).float() - base.get_tensor(name).float()
+    assert float((diff - delta).norm()) < 1e-3 * float(delta.norm())

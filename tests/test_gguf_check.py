@@ -8,6 +8,7 @@ run llama.cpp skip when llama-cpp-python (the ``qwenft[gguf-check]`` extra) is n
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,26 @@ def test_tiny_random_merge_is_checked_by_llama_cpp_and_broken_ggufs_are_rejected
     assert verdict.identical == verdict.compared and not verdict.passed
     assert any("renders a two-turn conversation differently" in p for p in verdict.chat["problems"])
 
+
+@pytest.mark.slow
+def test_embedded_merge_checked_by_llama_cpp(tmp_path, embedded_merge):
+    """The 0.5B model with a random r=8 adapter, merged in float32 with an f16 GGUF run by llama.cpp (the merge the
+    conftest fixture shares); then a q8_0 GGUF of the same merge against the same HF tokens."""
+    pytest.importorskip("llama_cpp")
+    from qwenft.export.gguf_file import write_gguf
+    from qwenft.model import load_tokenizer
+
+    out = embedded_merge
+    record = json.loads((out / "qwenft_merge.json").read_text())
+    check = record["verification"]["llama_cpp"]
+    print(f"0.5B llama.cpp f16: {check['identical']}/"
+          f"{check['compared']} identical ({check['seconds']} s)")
+    assert check["passed"] and check["identical"] == check["compared"] > 0
+    assert check["chat"] == {"eos": 151645, "eot": 151645, "hf_eos": HF_EOS, "problems": []}
+
+    tokenizer = load_tokenizer(str(out))
+    start = time.perf_counter()
+    write_gguf(out, tmp_path / "merged-q8_0.gguf", "q8_0", tokenizer, "merged")
+    verdict = _llama_again(tmp_path / "merged-q8_0.gguf", record, tokenizer, "q8_0")
+    print(f"0.5B llama.cpp q8_0: {verdict.summary()} (with writing the file: {time.perf_counter() - start:.0f} s)")
+    assert verdict.passed, verdict.problems

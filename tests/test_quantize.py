@@ -371,6 +371,29 @@ def test_tiny_random_gptq_and_awq(tmp_path):
     assert f"vllm serve {out / 'w4a16-awq'}" in (out / "README.md").read_text()
 
 
+@pytest.mark.slow
+def test_embedded_model_k_quant(embedded_merge):
+    """The 0.5B model with a random r=8 adapter (the float32 merge the conftest fixture shares): Q4_K_M (llama.cpp's
+    check at its threshold), measured; the Modelfile carries the generation_config's sampling values and the
+    template's system prompt. (GPTQ and AWQ run end to end on the 128-wide tiny-random above; on the 0.5B, GPTQ
+    alone added about 3 minutes to CI, over its time budget.)"""
+    pytest.importorskip("llama_cpp")
+    out = embedded_merge
+    record = json.loads((out / "qwenft_merge.json").read_text())
+    q4 = record["quantized"]["gguf-q4_k_m"]
+    assert {"Q4_K", "Q6_K"} <= set(q4["tensor_types"])  # 896 wide: llama.cpp falls back where 256 does not divide
+    modelfile = (out / q4["modelfile"]).read_text()
+    assert 'SYSTEM """You are Qwen, created by Alibaba Cloud. You are a helpful assistant."""' in modelfile
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile and "PARAMETER repeat_penalty" in modelfile
+    costs = record["costs"]["artifacts"]
+    for label in ("gguf-f16", "gguf-q4_k_m"):
+        print(label, {k: costs[label][k] for k in ("bytes", "agreement", "decode_tokens_per_s")},
+              {g: round(v["ratio"], 4) for g, v in costs[label]["perplexity"].items()})
+        assert all(v["ratio"] < 1.5 for v in costs[label]["perplexity"].values())
+    # the float32 merge: against the f16 GGUF (491 of 1,260 MB on the quickstart's bfloat16 merge)
+    assert costs["gguf-q4_k_m"]["bytes"] < 0.45 * costs["gguf-f16"]["bytes"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_calibration_child_dies_with_a_merge_killed_by_sigkill(tmp_path):
     """A merge killed with SIGKILL while GPTQ / AWQ calibrates takes its child with it: the child's prelude
