@@ -147,11 +147,15 @@ def test_embedded_model(embedded_dir):
         " 'eos': model.generation_config.eos_token_id, 'pad': tok.pad_token_id,"
         " 'rows': model.get_input_embeddings().weight.shape[0]}))\n"
     )
+    before = (embedded_dir / "config.json").stat()
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     info = json.loads(result.stdout.strip().splitlines()[-1])
+    # The time is printed, not asserted: it is mostly the import of torch / transformers (10-16 s on 2 busy cores),
+    # and speed targets live in benchmarks. A reload, not a second conversion: the cached files are the same ones.
     print(f"embedded model reload in a new process: {info['seconds']:.1f} s")
-    assert info["seconds"] < 15.0
+    after = (embedded_dir / "config.json").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert info["layers"] == 24 and info["rows"] == 151936
     assert info["prompt"].startswith("<|im_start|>system\n") and info["prompt"].endswith("<|im_start|>assistant\n")
     assert set(info["eos"]) == {151645, 151643} and info["pad"] == 151643
