@@ -1,8 +1,12 @@
-"""Shared fixtures: an isolated cache, the composed config, the tiny-random model, the shared data folder."""
+"""Shared fixtures: an isolated cache, the composed config, the tiny-random model, the shared data folder; and how
+the suite is spread over pytest-xdist's two workers (tests/README.md)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,64 @@ os.environ.pop("QWENFT_BENCH_DATA", None)  # a developer's export must not chang
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per xdist group, measured (tests/README.md)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one thread each (torch, OpenMP, tokenizers), so neither worker's matmuls spin against
+    # the other's; the subprocesses a test starts inherit it (set before anything imports torch).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def xdist_group(item) -> str:
+    """The xdist group ``item`` runs in: its ``xdist_group`` mark, else its file (a file's module fixtures are then
+    built once, on one worker)."""
+    for mark in item.iter_markers("xdist_group"):
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test joins a group (``--dist loadgroup``: a group runs whole on one worker), and the groups are queued
+    longest first by tests/durations.json, so the two workers finish together (the longest-processing-time-first
+    rule); a group not in the file goes last, in collection order. Runs before xdist's own hook, which reads the
+    marks added here."""
+    seconds = json.loads(DURATIONS.read_text(encoding="utf-8"))["groups"] if DURATIONS.is_file() else {}
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    items.sort(key=lambda item: -seconds.get(xdist_group(item), 0.0))  # stable: a group's tests keep their order
+
+
+class _CurrentStream:
+    """Stands for ``sys.stdout`` / ``sys.stderr`` as they are at each write, not as they were when a library made its
+    log handler: a handler made during a test that captures output (``capsys``) would keep that test's stream and
+    write to it after pytest has closed it ("I/O operation on closed file")."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def write(self, text):
+        return getattr(sys, self.name).write(text)
+
+    def flush(self):
+        getattr(sys, self.name).flush()
+
+
+@pytest.fixture(autouse=True)
+def _no_handler_keeps_a_closed_stream():
+    """After each test, a log handler anywhere (transformers' library handler, DeepSpeed's, ...) left writing to a
+    stream that test captured, now closed, writes to the current stream instead."""
+    yield
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            stream = getattr(handler, "stream", None)
+            if type(handler) is logging.StreamHandler and getattr(stream, "closed", False):
+                name = "stdout" if "out" in repr(getattr(stream, "name", "")) else "stderr"
+                handler.__dict__.pop("flush", None)  # transformers binds flush to the stderr of the moment
+                handler.stream = _CurrentStream(name)  # not setStream: it flushes the closed stream first
 
 
 def compose_config(*overrides: str, command: str = "train"):

@@ -574,6 +574,7 @@ def test_gguf_tokenizer_fields_of_the_real_qwen_tokenizer(embedded_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("embedded_merge")  # one worker builds the shared merge once
 def test_embedded_merge(embedded_merge, embedded_dir):
     """The 0.5B model with a 16-bit-base adapter, merged in float32 (the merge the conftest fixture shares). The NF4
     path is covered on tiny-random above; on 2 CPU cores its NF4 load and round trip would double this test's time.

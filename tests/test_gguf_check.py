@@ -152,6 +152,7 @@ def test_tiny_random_merge_is_checked_by_llama_cpp_and_broken_ggufs_are_rejected
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("embedded_merge")  # one worker builds the shared merge once
 def test_embedded_merge_checked_by_llama_cpp(tmp_path, embedded_merge):
     """The 0.5B model with a random r=8 adapter, merged in float32 with an f16 GGUF run by llama.cpp (the merge the
     conftest fixture shares); then a q8_0 GGUF of the same merge against the same HF tokens."""

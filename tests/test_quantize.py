@@ -372,6 +372,7 @@ def test_tiny_random_gptq_and_awq(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("embedded_merge")  # one worker builds the shared merge once
 def test_embedded_model_k_quant(embedded_merge):
     """The 0.5B model with a random r=8 adapter (the float32 merge the conftest fixture shares): Q4_K_M (llama.cpp's
     check at its threshold), measured; the Modelfile carries the generation_config's sampling values and the
