@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qwenft.config import ConfigError
-from qwenft.export.llama_check import MIN_IDENTICAL, NEW_TOKENS, agreement, check_llama, wanted
+from qwenft.export.llama_check import MIN_IDENTICAL, NEW_TOKENS, TIE_NATS, agreement, check_llama, wanted
 from tests.conftest import compose_config
 from tests.test_export import make_adapter, merge_config
 
@@ -58,6 +58,29 @@ def test_f16_needs_every_token_identical():
     tied = check_llama(fake_report([off, [5, 6, 151645]]), hf, CHAT, HF_EOS, "f16",
                        hf_gaps=[[0.0] * NEW_TOKENS, [0.0] * 3])
     assert tied.passed and (tied.identical, tied.ties) == (NEW_TOKENS + 2, 1) and tied.as_dict()["ties"] == 1
+
+
+def test_a_flip_within_one_step_of_16_bit_logits_is_a_tie():
+    """transformers in bfloat16 returns bfloat16 logits: two of them one unit in the last place apart (2^-9 at |z| in
+    [0.25, 0.5)) cannot be told apart, and llama.cpp's f16 may pick either (seen on an AVX2-only CPU)."""
+    from qwenft.export.llama_check import logit_resolution
+
+    assert logit_resolution("bfloat16", 0.3, -0.1) == 2.0 ** -9
+    assert logit_resolution("bfloat16", 20.0) == 2.0 ** -3 and logit_resolution("float16", 1.5) == 2.0 ** -10
+    assert logit_resolution("float32", 0.3) < TIE_NATS and logit_resolution("bfloat16", 0.0) == 0.0
+    hf = [list(range(NEW_TOKENS)), [5, 6, 151645]]
+    off = list(hf[0])
+    off[4] = 403
+    gaps = [[2.0 ** -9] * NEW_TOKENS, [0.0] * 3]  # one bfloat16 step at |z| ~ 0.3: above TIE_NATS
+    strict = check_llama(fake_report([off, [5, 6, 151645]]), hf, CHAT, HF_EOS, "f16", hf_gaps=gaps)
+    assert not strict.passed  # a float32 reference (no tie_nats): a real difference
+    resolution = [[logit_resolution("bfloat16", 0.3)] * NEW_TOKENS, [0.0] * 3]
+    tied = check_llama(fake_report([off, [5, 6, 151645]]), hf, CHAT, HF_EOS, "f16", hf_gaps=gaps, tie_nats=resolution)
+    assert tied.passed and tied.ties == 1
+    # two steps apart is a preference transformers could express: still a difference
+    wider = check_llama(fake_report([off, [5, 6, 151645]]), hf, CHAT, HF_EOS, "f16",
+                        hf_gaps=[[2.0 ** -8] * NEW_TOKENS, [0.0] * 3], tie_nats=resolution)
+    assert not wider.passed and "100% required for f16" in wider.problems[0]
 
 
 def test_q8_0_needs_90_percent_of_the_tokens():

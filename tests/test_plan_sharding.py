@@ -38,13 +38,24 @@ def test_fsdp_over_two_processes_halves_the_sharded_rows_and_leaves_activations(
     assert one["peak"] - two["peak"] > 0.25 * one["weights"]
 
 
-def test_fsdp_on_cpu_processes_plans_gloos_third_copy_at_a_gather():
+@pytest.mark.parametrize("native", [True, False], ids=["cpu_with_bf16", "cpu_without_bf16"])
+def test_fsdp_on_cpu_processes_plans_gloos_third_copy_at_a_gather(native, monkeypatch):
     """gloo's all-gather keeps its own flat output until the work is dropped (measured: +202 MiB peak for a 200 MiB
-    all_gather_into_tensor; the 0.5B's tail gather took 3 x 545 MiB, benchmarks/results/dist_memory.json)."""
-    cuda = training("dist=fsdp", "plan.processes=2")["without_checkpointing"]
+    all_gather_into_tensor; the 0.5B's tail gather took 3 x 545 MiB, benchmarks/results/dist_memory.json).
+
+    A CPU plan asks the machine whether bf16 is native (``auto`` dtypes are bf16 there, float32 elsewhere): both
+    answers are planned here, so the test holds on any CPU (an AVX2-only CI machine planned float32 weights)."""
+    import qwenft.runtime
+
+    monkeypatch.setattr(qwenft.runtime, "native_bf16", lambda device=None: native)
     cpu = make_plan(compose_config("model=qwen2.5-7b-instruct", "plan.device=cpu", "dist=fsdp",
                                    "plan.processes=2"))["training"]["without_checkpointing"]
-    assert cpu["gathered_weights"] * 2 == cuda["gathered_weights"] * 3
+    lm_head_bytes = 152064 * 3584 * (2 if native else 4)  # the autocast dtype where bf16 is native, else float32
+    # three copies (the two of a CUDA plan and gloo's own) of the lm_head and the final norm (fp32)
+    assert cpu["gathered_weights"] == 3 * (lm_head_bytes + 3584 * 4)
+    if native:  # the same dtypes as on CUDA: exactly gloo's third copy more
+        cuda = training("dist=fsdp", "plan.processes=2")["without_checkpointing"]
+        assert cpu["gathered_weights"] * 2 == cuda["gathered_weights"] * 3
 
 
 def test_unsharded_strategies_hold_everything_in_every_process():

@@ -361,7 +361,7 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
               f"{gguf_check.max_delta:.3g} (tolerance {gguf_check.tolerance:g}); "
               f"greedy: {', '.join(gguf_check.greedy)}")
     llama = verify_with_llama(tmp / gguf_record["file"], reference.prompts, report, tokenizer,
-                              merge_cfg.gguf) if with_llama else None
+                              merge_cfg.gguf, merge_cfg.dtype) if with_llama else None
     if llama is not None:
         print(f"gguf check ({merge_cfg.gguf}, llama.cpp): {llama.summary()}")
         checks["problems"] += llama.problems

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +50,19 @@ MIN_IDENTICAL = {"f16": 1.0, "q8_0": 0.9, "q6_k": 0.9, "q5_k_m": 0.9, "q4_k_m": 
 # few nats move by about 1e-3 and two that close can swap honestly. Random tiny models are full of such ties (a
 # new-user pass: tiny-random f16 at 94/96 with transformers' gap 0.0000 at each difference); the 0.5B has none.
 TIE_NATS = 1e-3
+# A merged model checked in a 16-bit dtype returns 16-bit logits: transformers' own scores are then only known to one
+# unit in the last place of that dtype (bfloat16 keeps 8 significant bits: 2^-9 = 0.002 at |z| in [0.25, 0.5)), and
+# two tokens that far apart are a tie as well (seen on an AVX2-only CPU: tiny-random merged to bfloat16, f16 GGUF,
+# transformers' gap 0.002, one bfloat16 step; the same flip does not happen where bf16 matmuls are native).
+EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # torch.finfo(dtype).eps
+
+
+def logit_resolution(dtype: str, *logits: float) -> float:
+    """One unit in the last place of ``dtype`` at the largest of ``logits`` (nats): the finest difference between
+    two logits that a model computing and returning ``dtype`` can express (``torch.finfo(dtype).eps`` times the power
+    of two at or below the magnitude)."""
+    magnitude = max(abs(z) for z in logits)
+    return EPS[dtype] * 2.0 ** math.floor(math.log2(magnitude)) if magnitude > 0 else 0.0
 TWO_TURNS = [{"role": "user", "content": "Name one prime number."},
              {"role": "assistant", "content": "7 is a prime number."},
              {"role": "user", "content": "And one more, bigger than 7?"}]
@@ -87,7 +101,8 @@ class LlamaVerdict:
                                                        if p["first_difference"] is not None else "")
                  for p in self.prompts]
         chat = "chat template and EOS ids as in HF" if not self.chat["problems"] else "chat template/EOS differ"
-        return (f"{self.identical}/{self.compared} greedy tokens identical to the merged model "
+        ties = f", {self.ties} more a tie in transformers' own logits" if self.ties else ""
+        return (f"{self.identical}/{self.compared} greedy tokens identical to the merged model{ties} "
                 f"(per prompt: {', '.join(parts)}); {chat}; {self.seconds:.1f} s")
 
 
@@ -217,7 +232,8 @@ def run_llama(gguf_path: Path, prompts: List[List[int]], forced: List[List[int]]
 
 
 def check_llama(report: dict, hf_generated: List[List[int]], chat: dict, hf_eos: List[int], qtype: str,
-                hf_gaps: Optional[List[List[float]]] = None) -> LlamaVerdict:
+                hf_gaps: Optional[List[List[float]]] = None,
+                tie_nats: Optional[List[List[float]]] = None) -> LlamaVerdict:
     """Judge the llama.cpp report against the merged HF model.
 
     Args:
@@ -228,6 +244,8 @@ def check_llama(report: dict, hf_generated: List[List[int]], chat: dict, hf_eos:
         qtype: the GGUF type, a key of :data:`MIN_IDENTICAL` (its threshold).
         hf_gaps: Per prompt and step, how far transformers prefers its token to the one llama.cpp picked (for
             the message at a first difference, and a difference within :data:`TIE_NATS` counts as a tie), or None.
+        tie_nats: Per prompt and step, the tie threshold to use instead of :data:`TIE_NATS` where it is larger
+            (:func:`verify_with_llama`: the resolution of transformers' 16-bit logits), or None.
 
     Returns:
         The verdict; ``problems`` lists every failed rule.
@@ -243,16 +261,20 @@ def check_llama(report: dict, hf_generated: List[List[int]], chat: dict, hf_eos:
                 counts["at_first_difference"]["hf_gap"] = round(hf_gaps[i][k], 4)
         prompts.append(counts)
     identical, compared = sum(p["identical"] for p in prompts), sum(p["compared"] for p in prompts)
-    ties = 0 if hf_gaps is None else sum(  # differences transformers itself scores as a tie (TIE_NATS)
+    def tie(i: int, k: int) -> float:
+        return max(TIE_NATS, tie_nats[i][k]) if tie_nats is not None else TIE_NATS
+
+    ties = 0 if hf_gaps is None else sum(  # differences transformers itself scores as a tie
         1 for i, (expected, got) in enumerate(zip(hf_generated, report["argmax"]))
-        for k, (a, b) in enumerate(zip(expected, got)) if a != b and abs(hf_gaps[i][k]) <= TIE_NATS)
+        for k, (a, b) in enumerate(zip(expected, got)) if a != b and abs(hf_gaps[i][k]) <= tie(i, k))
     required = MIN_IDENTICAL[qtype]
     if identical + ties < required * compared:
         where = "; ".join(f"prompt {i}: token {p['first_difference']} of {p['compared']} "
                           f"{p.get('at_first_difference', '')}" for i, p in enumerate(prompts)
                           if p["first_difference"] is not None)
         problems.append(f"llama.cpp: {identical}/{compared} greedy tokens identical to the merged model"
-                        + (f" ({ties} more tied within {TIE_NATS} nats)" if ties else "")
+                        + (f" ({ties} more tied within {TIE_NATS} nats or one step of transformers' logits)"
+                           if ties else "")
                         + f", {required:.0%} required for {qtype} (first differences: {where})")
 
     chat_problems = []
@@ -277,7 +299,8 @@ def check_llama(report: dict, hf_generated: List[List[int]], chat: dict, hf_eos:
     return LlamaVerdict(qtype, prompts, identical, compared, chat_record, seconds, problems, ties)
 
 
-def verify_with_llama(gguf_path: Path, prompts: List[List[int]], report: dict, tokenizer, qtype: str) -> LlamaVerdict:
+def verify_with_llama(gguf_path: Path, prompts: List[List[int]], report: dict, tokenizer, qtype: str,
+                      dtype: str = "float32") -> LlamaVerdict:
     """The whole check: llama.cpp on ``gguf_path`` against the reload check's report of the merged directory.
 
     Args:
@@ -286,6 +309,8 @@ def verify_with_llama(gguf_path: Path, prompts: List[List[int]], report: dict, t
         report: :func:`qwenft.export.verify.run_reload_check`'s report, run with ``long_new_tokens``.
         tokenizer: The tokenizer saved with the model.
         qtype: ``f16`` or ``q8_0``.
+        dtype: The dtype transformers ran the merged model in (``merge.dtype``): a flip within one unit in the last
+            place of its logits (:func:`logit_resolution`) is a tie.
 
     Raises:
         VerificationError: llama.cpp failed to load or run the file.
@@ -297,7 +322,9 @@ def verify_with_llama(gguf_path: Path, prompts: List[List[int]], report: dict, t
     steps = report["hf_long_steps"]
     hf_gaps = [[float(steps[str(i)][k, token] - steps[str(i)][k, picked]) for k, (token, picked) in
                 enumerate(zip(tokens, result["argmax"][i]))] for i, tokens in enumerate(forced)]
-    return check_llama(result, forced, hf_chat(tokenizer), eos, qtype, hf_gaps)
+    tie_nats = [[logit_resolution(dtype, float(steps[str(i)][k, token]), float(steps[str(i)][k, picked]))
+                 for k, (token, picked) in enumerate(zip(tokens, result["argmax"][i]))] for i, tokens in enumerate(forced)]
+    return check_llama(result, forced, hf_chat(tokenizer), eos, qtype, hf_gaps, tie_nats)
 
 
 def wanted(gguf: str, verify_gguf: Optional[bool]) -> bool:
