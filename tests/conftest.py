@@ -64,10 +64,24 @@ class _CurrentStream:
 
 
 @pytest.fixture(autouse=True)
-def _no_handler_keeps_a_closed_stream():
-    """After each test, a log handler anywhere (transformers' library handler, DeepSpeed's, ...) left writing to a
-    stream that test captured, now closed, writes to the current stream instead."""
+def _logging_left_clean():
+    """After each test, no log handler writes to a stream pytest has closed ("I/O operation on closed file", a
+    "Logging error" on stderr, once a crash of the whole run):
+
+    - the handlers a test added to the root, ``qwenft`` and ``hydra`` loggers are removed (an in-process
+      ``qwenft.cli.main`` lets Hydra configure logging with a handler on that test's captured stderr);
+    - a handler anywhere else (transformers' library handler, DeepSpeed's, ...) left on a captured stream that is
+      now closed writes to the current stream instead (they are made once per process, by whichever test first
+      imports the library, so they cannot be removed).
+    """
+    owned = [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
+    before = {logger.name: list(logger.handlers) for logger in owned}
     yield
+    for logger in owned:
+        for handler in list(logger.handlers):
+            if handler not in before[logger.name] and not type(handler).__module__.startswith("_pytest"):
+                logger.removeHandler(handler)
+                handler.close()
     loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
                                       if isinstance(logger, logging.Logger))]
     for logger in loggers:
@@ -95,23 +109,6 @@ def _no_inherited_width(monkeypatch):
     serial run prints them whole). A test about the width sets ``COLUMNS`` itself."""
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """Remove the log handlers a test left behind: an in-process ``qwenft.cli.main`` lets Hydra configure logging
-    with a handler on that test's captured stderr, which pytest closes afterwards; a later test's log line would
-    then write to a closed file (a "Logging error" on stderr, and once a crash of the whole run)."""
-    import logging
-
-    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
-    before = {logger.name: list(logger.handlers) for logger in loggers}
-    yield
-    for logger in loggers:
-        for handler in list(logger.handlers):
-            if handler not in before[logger.name] and not type(handler).__module__.startswith("_pytest"):
-                logger.removeHandler(handler)
-                handler.close()
 
 
 @pytest.fixture
