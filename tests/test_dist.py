@@ -59,7 +59,8 @@ def free_port() -> int:
 
 def torchrun(tmp_path: Path, cwd: Path, args: list, patch: str = "", timeout: int = 900, accelerate: bool = False,
              processes: int = 2):
-    """``torchrun --standalone --nproc_per_node=2 <launcher> train ARGS`` in ``cwd`` (or ``accelerate launch``).
+    """``torchrun --standalone --nproc_per_node=PROCESSES <launcher> train ARGS`` in ``cwd`` (or ``accelerate
+    launch`` with 2 processes).
 
     ``timeout`` is a hang guard, not a speed check: two gloo ranks on 2 cores take ~50 s alone, and several times
     that when another torch process shares the cores (they spin-wait on each other's threads).
@@ -121,6 +122,15 @@ def history(run_dir: Path, step: int) -> dict:
     return {h["step"]: h for h in state["log_history"] if "loss" in h}
 
 
+def assert_identical_adapters(run_dir: Path, reference: Path) -> None:
+    """The two runs' saved adapters hold the same tensors bit for bit, and training moved lora_B off zero."""
+    a = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+    assert any(w.abs().sum() > 0 for n, w in a.items() if "lora_B" in n)
+
+
 def assert_same_training(run_dir: Path, reference: Path, resumed: bool = False,
                          same_arithmetic: Optional[Path] = None) -> None:
     """Same losses, gradient norms, token count and (within float noise) the same adapter as the one-process
@@ -139,19 +149,16 @@ def assert_same_training(run_dir: Path, reference: Path, resumed: bool = False,
         assert ours[step]["grad_norm"] == pytest.approx(theirs[step]["grad_norm"], rel=1e-4)
     tokens = [json.loads((d / "metrics.json").read_text())["train"]["train_tokens"] for d in (run_dir, reference)]
     assert tokens[0] == tokens[1] > 0 or resumed  # summed over both ranks
-    a = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     if same_arithmetic is not None:
         # Adam divides by sqrt(v): a one-step float32 difference in step 1's gradient grows to 1.6e-5 after 4 steps
         # at lr 5e-3 on one CPU (2e-6 on another), so against another arithmetic no element-wise bound holds on
         # every machine; against the same arithmetic nothing may differ.
-        exact = load_file(str(same_arithmetic / "adapter" / "adapter_model.safetensors"))
-        assert a.keys() == exact.keys() and len(a) > 0
-        assert [name for name in a if not torch.equal(a[name], exact[name])] == []
         same = history(same_arithmetic, 4)
-        for step, logged in history(run_dir, 4).items():
+        for step, logged in ours.items():
             assert (logged["loss"], logged["grad_norm"]) == (same[step]["loss"], same[step]["grad_norm"]), step
-        assert any(w.abs().sum() > 0 for n, w in a.items() if "lora_B" in n)  # training moved B off zero
+        assert_identical_adapters(run_dir, same_arithmetic)
         return
+    a = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     for name in a:

@@ -54,15 +54,18 @@ TIE_NATS = 1e-3
 # unit in the last place of that dtype (bfloat16 keeps 8 significant bits: 2^-9 = 0.002 at |z| in [0.25, 0.5)), and
 # two tokens that far apart are a tie as well (seen on an AVX2-only CPU: tiny-random merged to bfloat16, f16 GGUF,
 # transformers' gap 0.002, one bfloat16 step; the same flip does not happen where bf16 matmuls are native).
-EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # torch.finfo(dtype).eps
 
 
 def logit_resolution(dtype: str, *logits: float) -> float:
     """One unit in the last place of ``dtype`` at the largest of ``logits`` (nats): the finest difference between
     two logits that a model computing and returning ``dtype`` can express (``torch.finfo(dtype).eps`` times the power
     of two at or below the magnitude)."""
+    import torch
+
+    from qwenft.runtime import torch_dtype
+
     magnitude = max(abs(z) for z in logits)
-    return EPS[dtype] * 2.0 ** math.floor(math.log2(magnitude)) if magnitude > 0 else 0.0
+    return torch.finfo(torch_dtype(dtype)).eps * 2.0 ** math.floor(math.log2(magnitude)) if magnitude > 0 else 0.0
 TWO_TURNS = [{"role": "user", "content": "Name one prime number."},
              {"role": "assistant", "content": "7 is a prime number."},
              {"role": "user", "content": "And one more, bigger than 7?"}]
@@ -261,12 +264,10 @@ def check_llama(report: dict, hf_generated: List[List[int]], chat: dict, hf_eos:
                 counts["at_first_difference"]["hf_gap"] = round(hf_gaps[i][k], 4)
         prompts.append(counts)
     identical, compared = sum(p["identical"] for p in prompts), sum(p["compared"] for p in prompts)
-    def tie(i: int, k: int) -> float:
-        return max(TIE_NATS, tie_nats[i][k]) if tie_nats is not None else TIE_NATS
-
     ties = 0 if hf_gaps is None else sum(  # differences transformers itself scores as a tie
         1 for i, (expected, got) in enumerate(zip(hf_generated, report["argmax"]))
-        for k, (a, b) in enumerate(zip(expected, got)) if a != b and abs(hf_gaps[i][k]) <= tie(i, k))
+        for k, (a, b) in enumerate(zip(expected, got))
+        if a != b and abs(hf_gaps[i][k]) <= max(TIE_NATS, tie_nats[i][k] if tie_nats is not None else 0.0))
     required = MIN_IDENTICAL[qtype]
     if identical + ties < required * compared:
         where = "; ".join(f"prompt {i}: token {p['first_difference']} of {p['compared']} "
@@ -320,10 +321,12 @@ def verify_with_llama(gguf_path: Path, prompts: List[List[int]], report: dict, t
     forced = report["hf_long_generated"]
     result = run_llama(gguf_path, prompts, forced, eos)
     steps = report["hf_long_steps"]
-    hf_gaps = [[float(steps[str(i)][k, token] - steps[str(i)][k, picked]) for k, (token, picked) in
-                enumerate(zip(tokens, result["argmax"][i]))] for i, tokens in enumerate(forced)]
-    tie_nats = [[logit_resolution(dtype, float(steps[str(i)][k, token]), float(steps[str(i)][k, picked]))
-                 for k, (token, picked) in enumerate(zip(tokens, result["argmax"][i]))] for i, tokens in enumerate(forced)]
+    hf_gaps, tie_nats = [], []
+    for i, tokens in enumerate(forced):
+        pairs = [(float(steps[str(i)][k, token]), float(steps[str(i)][k, picked]))
+                 for k, (token, picked) in enumerate(zip(tokens, result["argmax"][i]))]
+        hf_gaps.append([ours - theirs for ours, theirs in pairs])
+        tie_nats.append([logit_resolution(dtype, *pair) for pair in pairs])
     return check_llama(result, forced, hf_chat(tokenizer), eos, qtype, hf_gaps, tie_nats)
 
 
