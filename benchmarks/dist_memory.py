@@ -112,7 +112,7 @@ def make_trainer(*args, **kwargs):
 run_module.make_trainer = make_trainer
 if os.environ.get("RANK") == "1":
     import time
-    time.sleep(1.5)  # distinct default run names (see tests/test_dist.py)
+    time.sleep(1.5)  # distinct default run names (see tests/train/conftest.py)
 from qwenft.cli import main
 main(sys.argv[1:])
 """

@@ -1,11 +1,16 @@
-"""Shared fixtures: an isolated cache, the composed config, the tiny-random model, the shared data folder; and how
-the suite is spread over pytest-xdist's two workers (tests/README.md)."""
+"""What every room's tests share: the composed config, the tiny-random model, the shared data folder, rows to train
+on, the command run in a new process; and how the suite is spread over pytest-xdist's two workers (tests/README.md).
+
+The tree mirrors the package (``tests/data/`` tests ``qwenft/data/`` ...); a room's own helpers and fixtures are in
+its conftest.py (``tests/serve/conftest.py``: a live server; ``tests/train/conftest.py``: torchrun and the one-process
+references; ``tests/export/conftest.py``: the shared 0.5B merge)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -146,21 +151,86 @@ def embedded_dir():
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def embedded_merge(tmp_path_factory, embedded_dir) -> Path:
-    """One merge of the 0.5B with a seeded random r=8 adapter, shared by the slow export tests of test_export,
-    test_gguf_check and test_quantize (each merge of the 0.5B is 1-2 minutes on 2 cores): float32 (the strict
-    check), and where llama-cpp-python is installed also an f16 GGUF run by llama.cpp and a Q4_K_M made from it
-    with its cost rows. Returns the merge's directory; its adapter is ``<dir>/../run/adapter``."""
-    import importlib.util
+# Rows and runs shared by several rooms' tests
 
-    from qwenft.export import merge
-    from tests.test_export import make_adapter, merge_config
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
 
-    root = tmp_path_factory.mktemp("embedded_merge")
-    adapter = root / "run" / "adapter"
-    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
-    gguf = ("merge.gguf=f16", "merge.verify_gguf=true", "merge.quantize=[gguf-q4_k_m]",
-            "eval.max_new_tokens=8", "eval.max_eval_prompts=3") if importlib.util.find_spec("llama_cpp") else ()
-    merge(merge_config(adapter, root / "merged", "merge.dtype=float32", *gguf), device="cpu")
-    return root / "merged"
+
+def qa_rows(n: int, prefix: str = "q"):
+    return [{"instruction": f"{prefix} question {i}?", "input": "", "output": f"answer {i}."} for i in range(n)]
+
+
+QUESTIONS = [("What colour is the Zorblax 9 housing?", "The Zorblax 9 housing is teal."),
+             ("How many ports does the Zorblax 9 have?", "The Zorblax 9 has 7 ports."),
+             ("Who makes the Zorblax 9?", "Quillon Works makes the Zorblax 9."),
+             ("What year did the Zorblax 9 launch?", "The Zorblax 9 launched in 2031."),
+             ("What is 2 + 2?", "2 + 2 = 4."),
+             ("Name a primary colour.", "Red is a primary colour.")]
+
+
+def write_rows(path: Path, n: int = 24) -> Path:
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(n):
+            question, answer = QUESTIONS[i % len(QUESTIONS)]
+            handle.write(json.dumps({"instruction": f"{question} ({i})", "output": answer}) + "\n")
+    return path
+
+
+def train_overrides(tmp_path: Path, out_dir: Path, *extra: str) -> list:
+    rows = write_rows(tmp_path / "rows.jsonl")
+    return ["model=tiny-random", "quant=none", f"out_dir={out_dir}", "eval.after_train=false",
+            f"data.sources=[{{name: toy, path: '{rows}', format: alpaca, weight: 1.0, eval_rows: 4}}]",
+            "data.max_seq_len=128", "train.max_steps=6", "train.save_steps=3", "train.batch_size=2",
+            "train.logging_steps=1", "train.eval_steps=3", "train.lr=5e-3", "train.warmup_ratio=0.2",
+            "train.gradient_checkpointing=false", *extra]
+
+
+def run_train(args: list, patch: str = "", timeout: int = 300, env: dict = None) -> subprocess.CompletedProcess:
+    """Run ``python -m qwenft train ARGS`` in a new process, after executing ``patch`` (test-only hooks); ``env``
+    adds to the environment."""
+    script = "import sys\n" + patch + "\nfrom qwenft.cli import main\nmain(sys.argv[1:])\n"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
+    return subprocess.run([sys.executable, "-c", script, "train", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def run_qwenft(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``python -m qwenft ARGS`` in a new process (the real entry point: its exit code, stdout and stderr)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "qwenft", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def qwenft_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``qwenft ARGS`` run by ``qwenft.cli.main`` in this process, with what :func:`run_qwenft` returns (exit code,
+    stdout, stderr as captured by ``capsys``): for a test of one behaviour of a command, where the process boundary
+    is not the point (no kill, signal or exit code of the real entry point); it saves the ~5 s of importing torch
+    and transformers in a new interpreter."""
+    from qwenft.cli import main
+
+    owned = [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
+    before = {logger.name: list(logger.handlers) for logger in owned}
+    capsys.readouterr()
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        # as the end of a process would: the run's log handlers (Hydra's train.log file among them) go, so a later
+        # call's messages never reach an earlier run's log
+        for logger in owned:
+            for handler in list(logger.handlers):
+                if handler not in before[logger.name]:
+                    logger.removeHandler(handler)
+                    handler.close()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["qwenft", *args], code, out, err)
+
+
+def run_main(argv, capsys) -> tuple:
+    """``(exit code, stderr)`` of :func:`qwenft_in_process`: for a command that must stop with one line."""
+    result = qwenft_in_process(capsys, *argv)
+    return result.returncode, result.stderr.strip()

@@ -23,6 +23,7 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # the GPU check script in --tiny mode, in a new interpreter
 def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
     """`bash benchmarks/gpu/run.sh --tiny`: the 7B check's code path on a shape-reduced model on the CPU."""
     proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run.sh"), "--tiny"], cwd=ROOT, env=_env(tmp_path),
@@ -92,6 +93,7 @@ def test_gpu_script_tiny_mode_writes_every_field(tmp_path):
     assert plan["train_peak_error"] is None  # a CPU's process RSS is not comparable with the plan
 
 
+@pytest.mark.slow  # every command of the smoke script, each in a new interpreter
 def test_gpu_smoke_script_runs_every_command_on_this_device(tmp_path):
     """`bash benchmarks/gpu/smoke.sh` (what a lent GPU runs first): train killed after its first checkpoint and
     resumed, eval, generate and merge on tiny-random NF4, here on the CPU; each step's exit code and files checked."""
@@ -105,6 +107,7 @@ def test_gpu_smoke_script_runs_every_command_on_this_device(tmp_path):
     assert [s["exit"] for s in result["steps"]] == [-9, 0, 0, 0, 0] and all(s["ok"] for s in result["steps"])
 
 
+@pytest.mark.slow  # the benchmark suite runs a benchmark script in a new interpreter
 def test_suite_runs_a_benchmark_and_collects_its_ratio(tmp_path):
     """`python -m benchmarks --quick --only perplexity`: the child runs, its JSON is found and its ratio read."""
     if not (SHARED_DATA / "ppl" / "wiki.test.raw").is_file():
@@ -122,6 +125,7 @@ def test_suite_runs_a_benchmark_and_collects_its_ratio(tmp_path):
     assert "perplexity" in proc.stdout and "batched_over_single" in proc.stdout  # the summary table
 
 
+@pytest.mark.slow  # a benchmark script in a new interpreter
 def test_sampler_benchmark_pairs_steps_and_checks_the_forward_inputs(tmp_path):
     """benchmarks/sampler.py on tiny-random: both arms give the model the same inputs at every forward (so a
     forward-time difference between them is noise), and the paired ratios and their intervals are recorded."""
@@ -140,6 +144,7 @@ def test_sampler_benchmark_pairs_steps_and_checks_the_forward_inputs(tmp_path):
             assert _positive(row[key]), (key, row)
 
 
+@pytest.mark.slow  # a benchmark script, both arms in new interpreters
 def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path, bench_dir):
     """benchmarks/bench_eval.py --quick: qwenft's lm-eval model and lm-eval's HFLM on the same tiny-random model and
     MMLU questions (invented files in MMLU's layout), in ABBA order, float32 and bfloat16; the JSON has every field."""
@@ -171,6 +176,7 @@ def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path, bench_d
     assert fp32["max_abs_loglik_diff"] < result["fp32_tolerance"] and fp32["same_predictions"] == 4
 
 
+@pytest.mark.slow  # a benchmark script: train, eval, plan in new interpreters
 def test_eval_memory_quick_mode_measures_after_train_later_eval_and_plan(tmp_path):
     """benchmarks/eval_memory.py --quick: train (with its after-train evaluation), a later `qwenft eval` of the same
     adapter and `qwenft plan` on tiny-random, each a child process; the three evaluation peaks and their ratios."""
@@ -193,6 +199,7 @@ def test_eval_memory_quick_mode_measures_after_train_later_eval_and_plan(tmp_pat
     assert result["memory"]["train"]["bytes"] > 0 and result["plan_evaluation"]["peak"] == peaks["plan"]
 
 
+@pytest.mark.slow  # a benchmark script on the real tokenizer, both arms in new interpreters
 def test_data_scale_quick_mode_runs_both_arms_and_the_cache_hit(tmp_path, shared_data, embedded_dir):
     """benchmarks/data_scale.py --quick: 2,000 unique rows generated from the shared alpaca and GSM8K files;
     `qwenft data` (a cache miss), the plain load_dataset + map and `qwenft data` again (a hit), each a child process
@@ -262,6 +269,7 @@ def test_cpu_suite_quick_mode(tmp_path):
     assert set(entries["sampler"]["ratios"]) == {"bf16_batch1", "bf16_batch8", "nf4_batch1", "nf4_batch8"}
 
 
+@pytest.mark.slow  # a benchmark script that starts a server process
 def test_serve_benchmark_on_tiny_random(tmp_path):
     """benchmarks/serve.py --model tiny-random: a live server driven by 1 and 3 streaming clients; no failed request,
     the batched greedy answers equal the sequential ones (counted, not assumed), the server stopped with exit 0."""

@@ -275,6 +275,7 @@ def examples_to_run() -> List[Tuple[str, List[str]]]:
     return found
 
 
+@pytest.mark.slow  # the docs' runnable examples, each a command in a new process
 def test_the_examples_marked_run_run(tmp_path):
     """Each example marked ``run`` exits 0 (started together: each is a process of its own, from the checkout root,
     with an empty cache of its own)."""

@@ -71,6 +71,7 @@ def test_wheel_holds_the_config_tree_recipes_and_data(installed):
     assert modules <= names, sorted(modules - names)
 
 
+@pytest.mark.slow  # the installed copy run in new interpreters
 def test_installed_copy_runs_from_an_empty_directory(installed, tmp_path):
     """The issue's check: recipes listed and copied, `data +recipe=quickstart` and a 1-step tiny-random train, from
     an empty directory with only the installed copy importable."""

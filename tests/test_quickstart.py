@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SHARED_DATA
-from tests.test_train import run_cli
+from tests.conftest import run_train
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_quickstart_shrunk_writes_the_whole_run_directory(tmp_path, embedded_dir
     data) it is skipped and report.md says so."""
     run_dir = tmp_path / "quickstart"
     bench = SHARED_DATA / "bench"
-    result = run_cli(["+recipe=quickstart", f"out_dir={run_dir}", "train.max_steps=2", "train.save_steps=1",
+    result = run_train(["+recipe=quickstart", f"out_dir={run_dir}", "train.max_steps=2", "train.save_steps=1",
                       "eval.max_eval_prompts=2", "eval.max_new_tokens=6", "eval.bench_limit=4",
                       "eval.bench_subtasks=2"], timeout=900,
                      env={"QWENFT_BENCH_DATA": str(bench)} if (bench / "mmlu").is_dir() else None)
@@ -75,7 +75,7 @@ def test_quickstart_shrunk_writes_the_whole_run_directory(tmp_path, embedded_dir
 def test_domain_recipe_on_real_files(tmp_path, embedded_dir, shared_data, source):
     path, columns = source
     run_dir = tmp_path / "domain"
-    result = run_cli(["+recipe=domain", "model=qwen2.5-coder-0.5b-embedded", f"out_dir={run_dir}",
+    result = run_train(["+recipe=domain", "model=qwen2.5-coder-0.5b-embedded", f"out_dir={run_dir}",
                       f"data.sources.0.path={shared_data / path}", f"data.sources.0.columns={columns}",
                       "data.sources.0.max_rows=12", "data.sources.0.eval_rows=2", "data.sources.1.eval_rows=1",
                       "data.max_seq_len=192", "train.max_steps=1", "train.batch_size=1", "train.grad_accum=1",

@@ -18,8 +18,8 @@ import yaml
 import qwenft.runlock as runlock
 from qwenft.config import QwenftError
 from qwenft.runlock import LOCK_NAME, PID_NAME, RunLock, RunLocked, new_run_stamp
-from tests.conftest import ROOT, compose_config
-from tests.test_train import write_rows
+from tests.conftest import ROOT, compose_config, run_main
+from tests.conftest import write_rows
 
 # Test hooks run in the child before the CLI: every default run directory gets the same time (two launches in the
 # same second), and a process that took its lock writes <sync>/locked-<pid> and waits for <sync>/go, so the test
@@ -176,14 +176,6 @@ def test_a_lock_file_the_os_refuses_is_its_reason_never_in_use(tmp_path, monkeyp
     RunLock(tmp_path / "run").acquire().release()  # nothing stayed locked
 
 
-def run_main(argv, capsys):
-    from qwenft.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return exit_info.value.code, capsys.readouterr().err.strip()
-
-
 def test_eval_and_merge_refuse_a_directory_in_use(tmp_path, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "report.md").parent.mkdir()
@@ -214,6 +206,7 @@ def test_eval_and_merge_refuse_a_directory_in_use(tmp_path, capsys):
     assert not (tmp_path / "models").exists(), sorted(str(p) for p in tmp_path.rglob("*"))
 
 
+@pytest.mark.slow  # two training processes at once
 def test_two_trains_in_the_same_second_get_two_complete_run_directories(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl")
     sync, work = tmp_path / "sync", tmp_path / "work"
@@ -235,6 +228,7 @@ def test_two_trains_in_the_same_second_get_two_complete_run_directories(tmp_path
         assert f"run directory: {run_dir}" in results[rank, steps][1]
 
 
+@pytest.mark.slow  # two training processes at once
 def test_two_trains_into_one_out_dir_one_is_refused_the_other_intact(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl")
     sync, run_dir = tmp_path / "sync", tmp_path / "run"
@@ -256,6 +250,7 @@ def test_two_trains_into_one_out_dir_one_is_refused_the_other_intact(tmp_path):
     assert f"lora.r={key_lost[0]}" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.slow  # a holder killed by SIGKILL, then processes that meet its lock
 def test_a_killed_holder_never_blocks_and_a_live_one_refuses_a_resume(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl")
     sync, run_dir = tmp_path / "sync", tmp_path / "run"

@@ -14,41 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from qwenft.files import umask
-from tests.conftest import ROOT, compose_config
-
-QUESTIONS = [("What colour is the Zorblax 9 housing?", "The Zorblax 9 housing is teal."),
-             ("How many ports does the Zorblax 9 have?", "The Zorblax 9 has 7 ports."),
-             ("Who makes the Zorblax 9?", "Quillon Works makes the Zorblax 9."),
-             ("What year did the Zorblax 9 launch?", "The Zorblax 9 launched in 2031."),
-             ("What is 2 + 2?", "2 + 2 = 4."),
-             ("Name a primary colour.", "Red is a primary colour.")]
-
-
-def write_rows(path: Path, n: int = 24) -> Path:
-    with open(path, "w", encoding="utf-8") as handle:
-        for i in range(n):
-            question, answer = QUESTIONS[i % len(QUESTIONS)]
-            handle.write(json.dumps({"instruction": f"{question} ({i})", "output": answer}) + "\n")
-    return path
-
-
-def train_overrides(tmp_path: Path, out_dir: Path, *extra: str) -> list:
-    rows = write_rows(tmp_path / "rows.jsonl")
-    return ["model=tiny-random", "quant=none", f"out_dir={out_dir}", "eval.after_train=false",
-            f"data.sources=[{{name: toy, path: '{rows}', format: alpaca, weight: 1.0, eval_rows: 4}}]",
-            "data.max_seq_len=128", "train.max_steps=6", "train.save_steps=3", "train.batch_size=2",
-            "train.logging_steps=1", "train.eval_steps=3", "train.lr=5e-3", "train.warmup_ratio=0.2",
-            "train.gradient_checkpointing=false", *extra]
-
-
-def run_cli(args: list, patch: str = "", timeout: int = 300, env: dict = None) -> subprocess.CompletedProcess:
-    """Run ``python -m qwenft train ARGS`` in a new process, after executing ``patch`` (test-only hooks); ``env``
-    adds to the environment."""
-    script = "import sys\n" + patch + "\nfrom qwenft.cli import main\nmain(sys.argv[1:])\n"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
-    return subprocess.run([sys.executable, "-c", script, "train", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
+from tests.conftest import QUESTIONS, ROOT, compose_config, qwenft_in_process, run_train, train_overrides
 
 # Killed right after checkpoint-3 is in place: the on_save hook that renamed it has returned.
 KILL_AFTER_STEP_3 = """
@@ -71,17 +37,18 @@ def final_state(run_dir: Path):
     return state["global_step"], lrs[-1], weights
 
 
+@pytest.mark.slow  # three training runs, one killed by SIGKILL: the process boundary is the point
 def test_sigkill_after_checkpoint_then_resume_equals_uninterrupted(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    result = run_cli(train_overrides(tmp_path, straight))
+    result = run_train(train_overrides(tmp_path, straight))
     assert result.returncode == 0, result.stderr[-3000:]
 
-    result = run_cli(train_overrides(tmp_path, killed), patch=KILL_AFTER_STEP_3)
+    result = run_train(train_overrides(tmp_path, killed), patch=KILL_AFTER_STEP_3)
     assert result.returncode == -9, result.stderr[-3000:]
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["checkpoint-3"]
     assert not (killed / "adapter").exists()
 
-    result = run_cli(train_overrides(tmp_path, killed, "train.resume=auto"))
+    result = run_train(train_overrides(tmp_path, killed, "train.resume=auto"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stderr + result.stdout
 
@@ -128,7 +95,7 @@ QwenftTrainer.compute_loss = _nan_loss
 def test_non_finite_loss_stops_with_clear_error(tmp_path):
     run_dir = tmp_path / "nan"
     args = train_overrides(tmp_path, run_dir, "train.save_steps=2")
-    result = run_cli(args, patch=NAN_FROM_STEP_5)
+    result = run_train(args, patch=NAN_FROM_STEP_5)
     assert result.returncode != 0
     assert "non-finite loss" in result.stderr and "step 5" in result.stderr
     assert "Traceback" not in result.stderr
@@ -165,7 +132,7 @@ def test_sweep_specs_parse_and_compose(path):
 def test_multirun_grid_writes_two_run_directories(tmp_path):
     sweep_dir = tmp_path / "grid"  # out_dir names the grid's folder, one run directory per point under it
     args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in train_overrides(tmp_path, sweep_dir)]
-    result = run_cli([*args[:2], "-m", "lora.r=4,8", *args[2:]])  # -m among the overrides, as the README writes it
+    result = run_train([*args[:2], "-m", "lora.r=4,8", *args[2:]])  # -m among the overrides, as the README writes it
     assert result.returncode == 0, result.stderr[-3000:]
     for num, rank in ((0, 4), (1, 8)):
         adapter = sweep_dir / str(num) / "adapter"
@@ -185,7 +152,7 @@ def test_multirun_grid_writes_two_run_directories(tmp_path):
     assert [r.split(" | ")[1] for r in rows] == ["4", "8"]
     # The same grid again into the same out_dir: refused before Hydra rewrites any point's .hydra/
     snapshot = {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("*") if p.is_file()}
-    again = run_cli(["-m", "lora.r=4,8", *args])
+    again = run_train(["-m", "lora.r=4,8", *args])
     assert again.returncode == 2 and f"{sweep_dir / '0'} already holds a training run" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("*") if p.is_file()} == snapshot
 
@@ -206,23 +173,24 @@ def test_ctrl_c_message_starts_on_its_own_line(tmp_path):
     """The progress bar ends without a newline; Ctrl-C's message (exit 130) starts on a line of its own, not glued
     to the bar (issue 27)."""
     run_dir = tmp_path / "run"
-    result = run_cli(train_overrides(tmp_path, run_dir), patch=CTRL_C_AT_STEP_2)
+    result = run_train(train_overrides(tmp_path, run_dir), patch=CTRL_C_AT_STEP_2)
     assert result.returncode == 130, result.stderr[-2000:]
     assert "train:" in result.stderr  # the bar was drawn
     assert any(line.startswith("qwenft: error: interrupted; complete checkpoints in")
                for line in result.stderr.split("\n")), result.stderr[-1000:]
 
 
-def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
+def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path, capsys):
     """Bad data, a resume with another LoRA shape, a second run into a finished run: one line each, exit 2,
-    and nothing written or overwritten (checked before the model loads and before the run directory is used)."""
+    and nothing written or overwritten (checked before the model loads and before the run directory is used). In
+    this process: what is checked is each command's message and the files, not the process."""
     from omegaconf import OmegaConf
 
     run_dir = tmp_path / "run"
     text = "Answer plainly; ${HOME} and {x} are text"  # a literal ${ must survive into config.yaml as text
     args = [a.replace("train.max_steps=6", "train.max_steps=3") for a in train_overrides(tmp_path, run_dir)]
     args.append(f"data.system_prompt={text}")
-    first = run_cli(args)
+    first = qwenft_in_process(capsys, "train", *args)
     assert first.returncode == 0, first.stderr[-2000:]
     assert OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)["data"]["system_prompt"] \
         == text
@@ -236,7 +204,7 @@ def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
                ([*args, "train.resume=auto"], "is already at step 3 (epoch"),  # finished: nothing left to train
                (args, "already holds a training run")]
     for argv, message in refused:
-        result = run_cli(argv)
+        result = qwenft_in_process(capsys, "train", *argv)
         assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
         assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == saved
@@ -246,22 +214,23 @@ def test_refused_runs_write_nothing_and_keep_the_resumable_run(tmp_path):
     contents = {p: (run_dir / p).read_bytes() for p in saved if p.name != "train.log"}
     resume_bad = [a.replace(str(tmp_path / "rows.jsonl"), str(bad)).replace("train.max_steps=3", "train.max_steps=6")
                   for a in args] + ["train.resume=auto"]
-    result = run_cli(resume_bad)
+    result = qwenft_in_process(capsys, "train", *resume_bad)
     assert result.returncode == 2 and f"{bad}: line 2: field 'output'" in result.stderr, result.stderr[-2000:]
     assert {p: (run_dir / p).read_bytes() for p in saved if p.name != "train.log"} == contents
     assert f"error: {bad}: line 2" in (run_dir / "train.log").read_text().splitlines()[-1]  # the log says why
     assert {p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file()} == set(saved)
     fresh = tmp_path / "fresh"
     bad_args = [a.replace(str(tmp_path / "rows.jsonl"), str(bad)).replace(str(run_dir), str(fresh)) for a in args]
-    result = run_cli(bad_args)
+    result = qwenft_in_process(capsys, "train", *bad_args)
     assert result.returncode == 2 and f"{bad}: line 2: field 'output'" in result.stderr, result.stderr[-2000:]
     assert not fresh.exists()  # not even Hydra's .hydra/ and log
 
 
-def test_adapter_loads_with_plain_peft(tmp_path):
+def test_adapter_loads_with_plain_peft(tmp_path, capsys):
+    """Trained in this process; loaded in a new one that never imports qwenft (the point of the check)."""
     run_dir = tmp_path / "run"
     args = [a.replace("train.max_steps=6", "train.max_steps=2") for a in train_overrides(tmp_path, run_dir)]
-    result = run_cli(args)
+    result = qwenft_in_process(capsys, "train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     adapter = run_dir / "adapter"
     mask = umask()
@@ -315,7 +284,7 @@ def test_supervised_only_loss_equals_the_model_loss(tmp_path):
     torch.testing.assert_close(ours_sum, reference / 2, rtol=1e-6, atol=0)
 
 
-def test_rows_with_their_own_system_turn_are_what_inference_uses(tmp_path):
+def test_rows_with_their_own_system_turn_are_what_inference_uses(tmp_path, capsys):
     """issue 27 item 7: sharegpt rows that each carry the system turn "You are the Widget helpdesk.": qwenft.json
     records it (the most frequent one, and its share), and `inspect adapter=<run>` prompts with it, not with the
     template's default."""
@@ -328,7 +297,8 @@ def test_rows_with_their_own_system_turn_are_what_inference_uses(tmp_path):
                                                        {"from": "gpt", "value": "Yes, it is."}]}) + "\n")
     run_dir = tmp_path / "run"
     args = [a for a in train_overrides(tmp_path, run_dir) if not a.startswith(("data.sources=", "train.max_steps"))]
-    result = run_cli([*args, "train.max_steps=2", f"data.sources=[{{name: widget, path: '{rows}', format: sharegpt}}]"])
+    result = qwenft_in_process(capsys, "train", *args, "train.max_steps=2",
+                               f"data.sources=[{{name: widget, path: '{rows}', format: sharegpt}}]")
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "adapter" / "qwenft.json").read_text())
     assert meta["system_prompt"] == "You are the Widget helpdesk." and meta["system_prompt_from"] == "rows"
@@ -336,9 +306,7 @@ def test_rows_with_their_own_system_turn_are_what_inference_uses(tmp_path):
     assert json.loads((run_dir / "checkpoints" / "checkpoint-2" / "qwenft.json").read_text()) == meta
 
     trace = tmp_path / "trace.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, "-m", "qwenft", "inspect", f"adapter={run_dir}", "prompt=hi",
-                           f"inspect.out={trace}"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = qwenft_in_process(capsys, "inspect", f"adapter={run_dir}", "prompt=hi", f"inspect.out={trace}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("system prompt from the adapter's qwenft.json, the system turn of 75% of its training rows: "
             "'You are the Widget helpdesk.'") in proc.stderr

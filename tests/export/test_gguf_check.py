@@ -16,7 +16,7 @@ import pytest
 from qwenft.config import ConfigError
 from qwenft.export.llama_check import MIN_IDENTICAL, NEW_TOKENS, TIE_NATS, agreement, check_llama, wanted
 from tests.conftest import compose_config
-from tests.test_export import make_adapter, merge_config
+from tests.export.conftest import make_adapter, merge_config
 
 HF_EOS = [151645, 151643]
 CHAT = {"text": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "ids": [151644, 872, 198, 6023]}

@@ -1,4 +1,5 @@
-"""Base-vs-tuned evaluation end to end on tiny-random: files written, metrics.json equals the report."""
+"""Base-vs-tuned evaluation end to end on tiny-random: files written, metrics.json equals the report. One training
+run in a new process (the real entry point); the eval commands on it run in this process."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from tests.test_train import run_cli, train_overrides
+from tests.conftest import qwenft_in_process, run_train, train_overrides
 
 
 def report_table(report: str, source: str) -> dict:
@@ -25,7 +26,7 @@ def trained_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     run_dir = tmp / "run"
     args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
-    result = run_cli([*args, "train.max_steps=3", "eval.max_new_tokens=8", "eval.batch_size=3",
+    result = run_train([*args, "train.max_steps=3", "eval.max_new_tokens=8", "eval.batch_size=3",
                       "eval.samples_in_report=2", f"eval.ppl_sources=[{tmp / 'rows.jsonl'}]", "eval.ppl_window=64",
                       "eval.ppl_stride=32"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -72,15 +73,13 @@ def test_metrics_json_matches_report(trained_run):
     assert describe_peaks(memory) in (run_dir / "report.md").read_text()
 
 
-def test_eval_command_with_adapter(trained_run):
+def test_eval_command_with_adapter(trained_run, capsys):
     tmp, run_dir = trained_run
     out = tmp / "eval-run"
     args = [a for a in train_overrides(tmp, out) if a.split("=")[0].split(".")[0] in ("model", "quant", "out_dir",
                                                                                         "data")]
     env_args = [*args, f"adapter={run_dir / 'adapter'}", "eval.max_new_tokens=8"]
-    from tests.test_config import run_cli as run_any
-
-    result = run_any("eval", *env_args, timeout=300)
+    result = qwenft_in_process(capsys, "eval", *env_args)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["eval"]["sources"]["toy"]) == {"base", "tuned", "delta"}
@@ -88,17 +87,15 @@ def test_eval_command_with_adapter(trained_run):
     assert re.search(r"\| exact_match_number \|", (out / "report.md").read_text())
 
 
-def test_eval_with_a_recipe_runs_the_adapters_base_and_reports_its_lora(trained_run):
+def test_eval_with_a_recipe_runs_the_adapters_base_and_reports_its_lora(trained_run, capsys):
     """`eval +recipe=domain adapter=RUN/adapter` (the README's way): the recipe's 7B is a default, not typed, so the
     base the adapter records runs; report.md's LoRA line is the adapter's, not the live config's (lora.r=4 here)."""
-    from tests.test_config import run_cli as run_any
-
     tmp, run_dir = trained_run
     out = tmp / "recipe-eval"
-    result = run_any("eval", "+recipe=domain", f"adapter={run_dir / 'adapter'}",
+    result = qwenft_in_process(capsys, "eval", "+recipe=domain", f"adapter={run_dir / 'adapter'}",
                      f"data.sources.0.path={tmp / 'rows.jsonl'}", "data.sources.0.eval_rows=2",
                      "data.sources.1.eval_rows=1", "eval.max_new_tokens=2", "eval.max_eval_prompts=1", "lora.r=4",
-                     "lora.lora_alpha=8", f"out_dir={out}", timeout=300)
+                     "lora.lora_alpha=8", f"out_dir={out}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "from the adapter's qwenft.json" in result.stdout + result.stderr
     # typed +recipe: its data is evaluated, and the log and report.md say it is not what the adapter was trained on
@@ -113,27 +110,19 @@ def test_eval_with_a_recipe_runs_the_adapters_base_and_reports_its_lora(trained_
     assert "- model: `tiny-random` (tiny-random, quant=none)" in report  # what ran: the adapter's base
 
 
-def test_eval_refuses_a_missing_adapter(tmp_path):
-    from tests.test_config import run_cli as run_any
-
-    result = run_any("eval", "model=tiny-random", f"adapter={tmp_path}/none", f"out_dir={tmp_path}/x")
+def test_eval_refuses_a_missing_adapter(tmp_path, capsys):
+    result = qwenft_in_process(capsys, "eval", "model=tiny-random", f"adapter={tmp_path}/none", f"out_dir={tmp_path}/x")
     assert result.returncode == 2 and f"{tmp_path}/none does not exist" in result.stderr, result.stderr[-2000:]
 
 
-def test_base_only_report_names_no_adapter(tmp_path):
+def test_base_only_report_names_no_adapter(tmp_path, capsys):
     """`qwenft eval` without an adapter: the report says so instead of naming a LoRA that was never used."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.test_data import qa_rows, write_jsonl
+    from tests.conftest import qa_rows, write_jsonl
 
     rows = write_jsonl(tmp_path / "held.jsonl", qa_rows(3))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, "-m", "qwenft", "eval", "model=tiny-random", "quant=none",
-                           f"out_dir={tmp_path / 'e'}", "eval.max_new_tokens=4",
-                           f"data.sources=[{{name: held, path: {rows}, weight: 0.0, eval_rows: 3}}]"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = qwenft_in_process(capsys, "eval", "model=tiny-random", "quant=none", f"out_dir={tmp_path / 'e'}",
+                             "eval.max_new_tokens=4",
+                             f"data.sources=[{{name: held, path: {rows}, weight: 0.0, eval_rows: 3}}]")
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = (tmp_path / "e" / "report.md").read_text()
     assert "- adapter: none (the base model alone)" in report and "LoRA: r=" not in report
@@ -142,15 +131,13 @@ def test_base_only_report_names_no_adapter(tmp_path):
     assert "tuned" not in report.split("## Generation metrics")[1]
 
 
-def test_eval_with_only_the_run_directory_reads_the_adapters_data(trained_run):
+def test_eval_with_only_the_run_directory_reads_the_adapters_data(trained_run, capsys):
     """issue 27 items 3 and 4: `eval adapter=<run dir>` (no recipe, no data): the run directory stands for its
     adapter/, and the held-out rows are the run's own (the custom source its qwenft.json records, same rows as the
     evaluation after training), not the project's default data."""
-    from tests.test_config import run_cli as run_any
-
     tmp, run_dir = trained_run
     out = tmp / "only-adapter"
-    result = run_any("eval", f"adapter={run_dir}", f"out_dir={out}", "eval.max_new_tokens=2", timeout=300)
+    result = qwenft_in_process(capsys, "eval", f"adapter={run_dir}", f"out_dir={out}", "eval.max_new_tokens=2")
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert f"adapter={run_dir} is a run directory: using its adapter {run_dir / 'adapter'}" in log

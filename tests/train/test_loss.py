@@ -13,7 +13,7 @@ from qwenft.config import QwenftError
 from qwenft.kernels import chunk_tokens, liger_chunk_tokens, resolve_kernels
 from qwenft.train.loss import fused_loss, linear_cross_entropy
 from tests.conftest import compose_config
-from tests.test_train import QUESTIONS
+from tests.conftest import QUESTIONS
 
 
 class OpRecorder(TorchDispatchMode):
@@ -211,9 +211,9 @@ def test_liger_path_calls_liger_public_api(monkeypatch):
 
 
 def test_liger_on_a_cpu_is_refused_before_loading(tmp_path):
-    from tests.test_train import run_cli
+    from tests.conftest import run_train
 
-    result = run_cli(["model=tiny-random", "train.kernels=liger", f"out_dir={tmp_path / 'run'}"])
+    result = run_train(["model=tiny-random", "train.kernels=liger", f"out_dir={tmp_path / 'run'}"])
     assert result.returncode == 2
     assert "train.kernels=liger needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()

@@ -13,35 +13,14 @@ from qwenft.config import Config, ConfigError, DataConfig, DataSource, TinyModel
 from qwenft.data import (IGNORE_INDEX, DataCollator, DataError, build, choose, encode_example, encode_text,
                          mix_counts, normalise, pack, prompt_ids, read_source, split_eval)
 from qwenft.model import load_tokenizer
+from tests.conftest import qa_rows, write_jsonl
 
 IM_END, END_OF_TEXT = 151645, 151643  # Qwen2.5's <|im_end|> and <|endoftext|> (DESIGN "Facts to get right")
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def qa_rows(n: int, prefix: str = "q"):
-    return [{"instruction": f"{prefix} question {i}?", "input": "", "output": f"answer {i}."} for i in range(n)]
 
 
 def config_for(*sources: DataSource, **data) -> Config:
     data.setdefault("cache", False)
     return Config(data=DataConfig(sources=list(sources), **data))
-
-
-@pytest.fixture(scope="module")
-def qwen(embedded_dir):
-    """The real Qwen2.5 tokenizer of the embedded model (about a second to load)."""
-    return load_tokenizer(str(embedded_dir))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from qwenft.model.tiny import tiny_model_dir
-
-    return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
 
 
 def supervised_runs(tokenizer, example):

@@ -19,31 +19,12 @@ import pytest
 import torch
 
 from qwenft.config import ConfigError, ModelConfig, QwenftError
-from qwenft.model import attach_lora, load_adapter, load_model, read_adapter_meta, save_adapter_meta
+from qwenft.model import load_adapter, load_model, read_adapter_meta, save_adapter_meta
 from qwenft.runtime import resolve_dtype
 from tests.conftest import ROOT, compose_config
+from tests.export.conftest import make_adapter, merge_config
 
 TEXTS = ["What is the capital of France?", "春天来了", "def add(a, b): return a + b"]
-
-
-def make_adapter(adapter_dir: Path, *overrides: str, std: float = 0.05, model_args=("model=tiny-random",)):
-    """An adapter through attach_lora with seeded random LoRA B (B is zero at init, a no-op adapter)."""
-    config = compose_config(*model_args, "lora.lora_dropout=0.0", *overrides)
-    model, _ = load_model(config, device="cpu")
-    torch.manual_seed(0)  # LoRA A is drawn from the global generator
-    peft_model = attach_lora(model, config.lora, gradient_checkpointing=False)
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
-    peft_model.save_pretrained(adapter_dir)
-    save_adapter_meta(adapter_dir, config)
-    return config
-
-
-def merge_config(adapter: Path, out: Path, *overrides: str):
-    return compose_config(f"adapter={adapter}", f"out={out}", *overrides, command="merge")
 
 
 def batch(tokenizer):
@@ -487,6 +468,7 @@ def _start_paused_merge(adapter: Path, out: Path):
     return proc, tmp
 
 
+@pytest.mark.slow  # merges interrupted and killed in new processes
 def test_interrupted_or_killed_merge_leaves_no_dir(tmp_path, adapters):
     from qwenft.export import _remove_stale
 

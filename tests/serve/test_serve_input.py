@@ -15,7 +15,7 @@ pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 
-from tests.serve_util import LiveServer, metric, served  # noqa: E402
+from tests.serve.conftest import LiveServer, metric, served  # noqa: E402
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -13,7 +13,7 @@ import pytest
 from qwenft.config import Config, DataConfig, DataSource, TinyModelConfig
 from qwenft.data import DataError, build, read_source
 from qwenft.model import load_tokenizer
-from tests.test_data import qa_rows, write_jsonl
+from tests.conftest import qa_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install 'qwenft[test]')")
 
-from tests.serve_util import LiveServer, make_adapter, served  # noqa: E402
+from tests.serve.conftest import LiveServer, make_adapter, served  # noqa: E402
 
 
 def chromium():

@@ -319,16 +319,17 @@ def test_score_is_logged_under_the_sweep_key():
 @pytest.fixture(scope="module")
 def gated_run(tmp_path_factory):
     """A tiny-random `train` whose gate cannot pass (char_f1 >= 2), with eval.fail_on_gate=true."""
-    from tests.test_train import run_cli, train_overrides
+    from tests.conftest import run_train, train_overrides
 
     tmp = tmp_path_factory.mktemp("gates")
     run_dir = tmp / "run"
     args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
-    result = run_cli([*args, "train.max_steps=2", "eval.max_new_tokens=4", "eval.batch_size=4",
+    result = run_train([*args, "train.max_steps=2", "eval.max_new_tokens=4", "eval.batch_size=4",
                       "eval.gates={toy: {metric: char_f1, min: 2.0}}", "eval.fail_on_gate=true"])
     return tmp, run_dir, result
 
 
+@pytest.mark.slow  # the real entry point's exit code 3 after a training run
 def test_train_exits_3_after_writing_everything(gated_run):
     _, run_dir, result = gated_run
     assert result.returncode == 3, result.stderr[-3000:]
@@ -343,10 +344,11 @@ def test_train_exits_3_after_writing_everything(gated_run):
     assert "verdict: gates failed: toy" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow  # the real entry point's exit codes, four eval processes
 def test_eval_exit_codes(gated_run, tmp_path):
     """`eval` with the adapter: 3 with fail_on_gate, 0 without (report still FAIL); the base alone: 0, not judged;
     a bad gate key: 2 before any model loads (no run directory)."""
-    from tests.test_config import run_cli as run_any
+    from tests.conftest import run_qwenft as run_any
 
     tmp, run_dir, _ = gated_run
     source = f"data.sources=[{{name: toy, path: '{tmp / 'rows.jsonl'}', format: alpaca, weight: 1.0, eval_rows: 4}}]"

@@ -19,7 +19,7 @@ pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 
-from tests.serve_util import LiveServer, make_adapter, metric, served, with_serve  # noqa: E402
+from tests.serve.conftest import LiveServer, make_adapter, metric, served, with_serve  # noqa: E402
 
 ISSUE_NAMES = ["prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_requests_running",
                "num_requests_waiting", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from qwenft.hydra_app import available_recipes, validate
 from qwenft.config import ALL_TARGETS, ConfigError
 from qwenft.hydra_app import register_resolvers
-from tests.conftest import ROOT, compose_config
-
-
-def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
-    import os
-
-    env = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-m", "qwenft", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+from tests.conftest import ROOT, compose_config, qwenft_in_process, run_qwenft
 
 
 def test_defaults_compose():
@@ -89,7 +78,7 @@ def test_every_recipe_composes():
 
 
 def test_help_lists_the_seven_commands():
-    result = run_cli("--help")
+    result = run_qwenft("--help")
     assert result.returncode == 0
     for command in ("train", "eval", "generate", "merge", "data", "inspect", "plan"):
         assert f"\n  {command} " in result.stdout
@@ -98,14 +87,14 @@ def test_help_lists_the_seven_commands():
 def test_command_help_leads_with_the_keys_it_reads():
     """`generate --help` (issue 27): the keys generate reads with their values, examples, and where the whole
     config is; not Hydra's 200-line config dump. `--cfg job` still prints the resolved config."""
-    result = run_cli("generate", "--help", "generate.max_new_tokens=7")
+    result = run_qwenft("generate", "--help", "generate.max_new_tokens=7")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("usage: python -m qwenft generate") and len(lines) < 40, result.stdout
     for key in ("prompt=null", "prompts_file=null", "out=null", "adapter=null", "generate.max_new_tokens=7"):
         assert any(line.strip().startswith(key) for line in lines), key
     assert "--cfg job" in result.stdout and "== Config ==" not in result.stdout
-    dump = run_cli("generate", "--cfg", "job")
+    dump = run_qwenft("generate", "--cfg", "job")
     assert dump.returncode == 0 and "max_new_tokens: 256" in dump.stdout and len(dump.stdout.splitlines()) > 100
 
 
@@ -130,7 +119,7 @@ def test_every_help_key_is_a_config_key():
 @pytest.mark.parametrize("override, key", [("lora.rank=8", "lora.rank"), ("train.lr=fast", "train.lr"),
                                            ("lora.r=0", "lora.r")])
 def test_cli_bad_override_exits_2_with_one_line(override, key):
-    result = run_cli("train", override)
+    result = run_qwenft("train", override)
     assert result.returncode == 2
     assert key in result.stderr
     assert result.stdout == ""  # WANDB_MODE=offline: transformers' "[INFO] Running in WANDB offline mode" dropped
@@ -138,14 +127,14 @@ def test_cli_bad_override_exits_2_with_one_line(override, key):
 
 
 def test_cli_unknown_recipe_lists_recipes():
-    result = run_cli("train", "+recipe=nope")
+    result = run_qwenft("train", "+recipe=nope")
     assert result.returncode == 2
     for name in available_recipes():
         assert name in result.stderr
 
 
 def test_cli_unknown_command():
-    result = run_cli("fly")
+    result = run_qwenft("fly")
     assert result.returncode == 2 and "train" in result.stderr
 
 
@@ -181,29 +170,30 @@ def test_free_text_composes_back_to_exactly_what_was_typed(text):
     assert config.prompt == text and config.data.system_prompt == text
 
 
-def test_a_refused_run_removes_only_the_run_directory_it_created(tmp_path):
+def test_a_refused_run_removes_only_the_run_directory_it_created(tmp_path, capsys):
     empty = tmp_path / "mine"
     empty.mkdir()
     for out_dir, kept in ((empty, True), (tmp_path / "new", False)):
-        result = run_cli("eval", "model=tiny-random", f"out_dir={out_dir}", f"adapter={tmp_path / 'no_adapter'}")
+        result = qwenft_in_process(capsys, "eval", "model=tiny-random", f"out_dir={out_dir}",
+                                   f"adapter={tmp_path / 'no_adapter'}")
         assert result.returncode == 2 and "no_adapter" in result.stderr and "Traceback" not in result.stderr
         assert out_dir.exists() == kept
     with pytest.raises(ConfigError, match="hydra.run.dir is set from out_dir; use out_dir=PATH"):
         validate("train", ["hydra.run.dir=/tmp/elsewhere"])
 
 
-def test_unreadable_values_and_impossible_numbers_are_one_line(tmp_path):
-    result = run_cli("data", "out_dir=/tmp/路径")
+def test_unreadable_values_and_impossible_numbers_are_one_line(tmp_path, capsys):
+    result = qwenft_in_process(capsys, "data", "out_dir=/tmp/路径")
     assert result.returncode == 2 and "quote it" in result.stderr and "\"out_dir='/tmp/路径'\"" in result.stderr
     for key in ("train.lr=inf", "train.lr=nan", "train.epochs=inf", "train.weight_decay=nan", "generate.temperature=inf",
                 "generate.top_p=nan"):
         with pytest.raises(ConfigError, match=f"{key.split('=')[0]}=.*finite"):
             compose_config(key)
-    result = run_cli("generate", "model=tiny-random", "prompt=x", "generate.stop_strings=[停]")
+    result = qwenft_in_process(capsys, "generate", "model=tiny-random", "prompt=x", "generate.stop_strings=[停]")
     assert result.returncode == 2 and "quote each text item" in result.stderr
     a_file = tmp_path / "a_file"
     a_file.write_text("keep")
-    result = run_cli("eval", "model=tiny-random", f"out_dir={a_file}")
+    result = qwenft_in_process(capsys, "eval", "model=tiny-random", f"out_dir={a_file}")
     assert result.returncode == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr
     assert a_file.read_text() == "keep"
 
@@ -269,7 +259,7 @@ def test_an_override_the_shell_split_gets_the_quoting_hint(capsys):
     from qwenft.cli import main
 
     words = "train +recipe=domain data.sources.0.path=qa.csv data.sources.0.columns={instruction: q, output: a}"
-    result = run_cli(*words.split(" "))  # as the shell splits it
+    result = run_qwenft(*words.split(" "))  # as the shell splits it
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "qwenft: error: data.sources.0.columns: the shell split this override at its spaces into 4 words (the first: "

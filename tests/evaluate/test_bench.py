@@ -23,7 +23,7 @@ from qwenft.evaluate import bench_tasks
 from qwenft.evaluate.bench_run import paired_ci
 from qwenft.evaluate.bench_score import MAX_ROWS_FACTOR, MIN_PREFIX, full_forward_scores, score_pairs, suffix_rows
 from qwenft.evaluate.bench_tasks import select
-from tests.conftest import ROOT, compose_config
+from tests.conftest import compose_config, qwenft_in_process
 
 LETTERS = ["A", "B", "C", "D"]
 
@@ -379,13 +379,13 @@ def count_loads(monkeypatch) -> dict:
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory, bench_dir):
     """A 1-step tiny-random `train` whose evaluation asks 3 MMLU questions (invented files) on both sides."""
-    from tests.test_train import run_cli, train_overrides
+    from tests.conftest import run_train, train_overrides
 
     tmp = tmp_path_factory.mktemp("bench")
     run_dir = tmp / "run"
     args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
     started = time.perf_counter()
-    result = run_cli([*args, "train.max_steps=1", "eval.max_new_tokens=4", "eval.batch_size=4",
+    result = run_train([*args, "train.max_steps=1", "eval.max_new_tokens=4", "eval.batch_size=4",
                       "eval.benchmarks=[mmlu]", "eval.bench_limit=3", f"eval.bench_data=[{bench_dir}]"],
                      patch=COUNT_LOADS)
     return tmp, run_dir, result, time.perf_counter() - started
@@ -416,17 +416,9 @@ def test_train_then_benchmark_with_one_model_load(bench_run):
 # --------------------------------------------------------------------------------- 6. bad input, user tasks
 def run_in_process(args, capsys, monkeypatch) -> tuple:
     """``python -m qwenft ARGS`` in this process: (exit code, stderr lines, model loads)."""
-    from qwenft.cli import main
-
     loads = count_loads(monkeypatch)
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.err.strip().splitlines(), loads
+    result = qwenft_in_process(capsys, *args)
+    return result.returncode, result.stderr.strip().splitlines(), loads
 
 
 def assert_refused(code, err, loads, out_dir: Path, *names: str) -> None:
@@ -487,7 +479,7 @@ def test_bad_data_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatc
                               f"out_dir={out}"], capsys, monkeypatch)
     assert_refused(*refused, out, "anatomy_dev.csv", "2 rows", "5-shot")
     # `train` refuses the same way, before its run directory is written
-    from tests.test_train import train_overrides
+    from tests.conftest import train_overrides
 
     args = [a for a in train_overrides(tmp_path, out) if not a.startswith("eval.after_train")]
     refused = run_in_process(["train", *args, "eval.after_train=true",

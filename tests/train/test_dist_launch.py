@@ -1,8 +1,8 @@
 """FSDP on CPU processes (gloo) and a launch over two "nodes" (torchrun's c10d rendezvous on 127.0.0.1).
 
-Both compare with the one-process references of tests/test_dist.py (batch 2 = 2 ranks x batch 1, with its
+Both compare with the one-process references of tests/train/conftest.py (batch 2 = 2 ranks x batch 1, with its
 tolerances; DDP and the NF4 run also bit for bit with one process of the same strategy at batch 1 x grad_accum 2:
-:func:`tests.test_dist.assert_same_training`).
+:func:`tests.train.conftest.assert_same_training`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_config
-from tests.test_dist import (KILL_AFTER_CHECKPOINT_2, LAUNCHER, assert_identical_adapters, assert_same_training,
-                             child_env, common_args, free_port, history, one_rank_ddp_run, single_process_run,
-                             torchrun)
-from tests.test_train import write_rows
+from tests.conftest import write_rows
+from tests.train.conftest import (KILL_AFTER_CHECKPOINT_2, LAUNCHER, assert_identical_adapters, assert_same_training,
+                                  child_env, common_args, free_port, history, torchrun)
 
-__all__ = ["one_rank_ddp_run", "single_process_run"]  # the module-scoped reference fixtures, used here too
+# one xdist group with the other file of several processes: the one-process references (tests/train/conftest.py)
+# are built once, by one worker
+pytestmark = pytest.mark.xdist_group("dist")
 
 EVAL_ARGS = ["eval.after_train=true", "eval.max_eval_prompts=2", "eval.max_new_tokens=4", "eval.samples_in_report=1"]
 

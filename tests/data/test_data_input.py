@@ -10,7 +10,7 @@ import pytest
 
 from qwenft.config import DataSource
 from qwenft.data import DataError, build, read_source
-from tests.test_data import qa_rows, tiny  # noqa: F401  (a fixture)
+from tests.conftest import qa_rows
 
 
 def csv_lines(n: int, start: int = 0):
@@ -143,6 +143,7 @@ def test_a_refused_build_leaves_no_entry_and_a_killed_ones_leftovers_go(tiny, tm
     assert [e["shards_done"] for e in store.entries() if not e["complete"]] == [1]
 
 
+@pytest.mark.slow  # the embedded model's real tokenizer, prepared from its GGUF
 def test_qwenft_data_on_an_empty_cache_prepares_only_the_embedded_tokenizer(embedded_dir, tmp_path, monkeypatch,
                                                                            capsys):
     """The data command never converts the embedded weights (a minute or two): the tokenizer and config come from

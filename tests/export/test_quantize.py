@@ -15,8 +15,8 @@ import pytest
 
 from qwenft.config import ConfigError, QwenftError
 from tests.conftest import compose_config
-from tests.test_config import run_cli
-from tests.test_export import make_adapter, merge_config
+from tests.conftest import run_qwenft
+from tests.export.conftest import make_adapter, merge_config
 
 GENERATION = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
               "eos_token_id": [151645, 151643]}
@@ -57,7 +57,7 @@ def test_missing_or_untested_packages_stop_before_anything_loads(monkeypatch):
 
 
 def test_an_unknown_method_exits_2_with_one_line(tmp_path):
-    result = run_cli("merge", f"adapter={tmp_path}", f"out={tmp_path / 'out'}", "merge.quantize=[gguf-iq2]")
+    result = run_qwenft("merge", f"adapter={tmp_path}", f"out={tmp_path / 'out'}", "merge.quantize=[gguf-iq2]")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "merge.quantize='gguf-iq2' is not accepted" in lines[0], result.stderr
@@ -72,7 +72,7 @@ def test_a_bare_method_is_a_one_item_list(tmp_path):
     assert free_form(["merge.quantize=gguf-q4_k_m", "merge.quantize=gguf-q8_0,gptq", "merge.quantize=[awq]",
                       "merge.quantize=[]"]) == ["merge.quantize=[gguf-q4_k_m]", "merge.quantize=[gguf-q8_0,gptq]",
                                                 "merge.quantize=[awq]", "merge.quantize=[]"]
-    result = run_cli("merge", f"adapter={tmp_path}", f"out={tmp_path / 'out'}", "merge.quantize=gguf-q4_k_m")
+    result = run_qwenft("merge", f"adapter={tmp_path}", f"out={tmp_path / 'out'}", "merge.quantize=gguf-q4_k_m")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "merge.quantize='gguf-q4_k_m' is not accepted; llama.cpp quantizes the merge's f16 GGUF and no GGUF is " \
@@ -236,7 +236,7 @@ def test_gptq_on_tiny_random_is_refused_before_merging(tmp_path):
     adapter = tmp_path / "run" / "adapter"
     make_adapter(adapter, "quant=none")
     out = tmp_path / "out"
-    result = run_cli("merge", f"adapter={adapter}", f"out={out}", "merge.quantize=[gptq]", timeout=300)
+    result = run_qwenft("merge", f"adapter={adapter}", f"out={out}", "merge.quantize=[gptq]", timeout=300)
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("qwenft: error: merge.quantize=gptq: W4A16 groups 128 input columns per scale, and this "
@@ -244,6 +244,7 @@ def test_gptq_on_tiny_random_is_refused_before_merging(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # llama.cpp's quantizer and its evaluation end to end
 def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
     """Merge + f16 GGUF + Q8_0 and Q4_K_M by llama.cpp: published files, Modelfiles, llama.cpp's check, the cost
     table in qwenft_merge.json, the card and the output; a re-run loads nothing; the merge itself stays done."""
@@ -290,6 +291,7 @@ def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
         check_request(config, json.loads((out / "config.json").read_text()), None)
 
 
+@pytest.mark.slow  # two merges with llama.cpp quantization end to end
 def test_adding_an_artifact_keeps_the_earlier_rows_and_says_when(tmp_path, monkeypatch, capsys):
     """A run that adds an artifact to a quantized merge measures the 16-bit merge and the new artifact, keeps the other
     rows as they were, and the table says when each row was measured (was: one table of two runs' tokens/s, unmarked);

@@ -18,7 +18,7 @@ import httpx  # noqa: E402  (a dependency of openai)
 import openai  # noqa: E402
 
 from tests.conftest import ROOT  # noqa: E402
-from tests.serve_util import LiveServer, make_adapter, metric, served  # noqa: E402
+from tests.serve.conftest import LiveServer, make_adapter, metric, served  # noqa: E402
 
 PROMPTS = ["Hello there, how are you", "春天来了", "0 1 2 3"]
 
@@ -42,7 +42,7 @@ def live(tiny_served):
 def generate_file(tmp_path, adapter, prompts, max_new_tokens):
     """``qwenft generate prompts_file=...`` in this process: each prompt's ``token_ids`` and ``output``."""
     from qwenft.generation.command import generate_command
-    from tests.serve_util import serve_config
+    from tests.serve.conftest import serve_config
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), encoding="utf-8")
@@ -150,7 +150,7 @@ def test_malformed_bodies_routes_and_caps(live, tiny_served):
 
 
 def test_api_key_is_required_when_set(tiny_served):
-    from tests.serve_util import with_serve
+    from tests.serve.conftest import with_serve
 
     with LiveServer(with_serve(tiny_served, api_key="s3cret-key")) as server:
         with pytest.raises(openai.AuthenticationError):
@@ -166,7 +166,7 @@ def test_api_key_is_required_when_set(tiny_served):
 def test_queue_full_is_429_and_sampled_extras_are_taken(tiny_served):
     import threading
 
-    from tests.serve_util import with_serve
+    from tests.serve.conftest import with_serve
 
     with LiveServer(with_serve(tiny_served, max_queue=1)) as server:
         client, results = server.client(), []

@@ -10,22 +10,8 @@ import logging
 
 import pytest
 
-from qwenft.config import TinyModelConfig
 from qwenft.data import DataError, encode_example
 from qwenft.data.template import cut, encode_many, with_system
-from qwenft.model import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def qwen(embedded_dir):
-    return load_tokenizer(str(embedded_dir))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from qwenft.model.tiny import tiny_model_dir
-
-    return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
 
 
 def conversations():
