@@ -29,16 +29,22 @@ from qwenft.cli import main
 main(sys.argv[1:])
 """
 
-KILL_AFTER_CHECKPOINT_2 = """
-import signal
+def kill_after_checkpoint(step: int) -> str:
+    """A test-only patch (the ``patch`` of :func:`tests.conftest.run_train` and :func:`torchrun`): the process kills
+    itself by SIGKILL right after checkpoint-``step`` is in place (the on_save hook that renamed it has returned)."""
+    return f"""
+import os, signal
 from qwenft.train.callbacks import AtomicCheckpoints
 _on_save = AtomicCheckpoints.on_save
 def _save_then_die(self, args, state, control, **kwargs):
     _on_save(self, args, state, control, **kwargs)
-    if state.global_step == 2:
+    if state.global_step == {step}:
         os.kill(os.getpid(), signal.SIGKILL)
 AtomicCheckpoints.on_save = _save_then_die
 """
+
+
+KILL_AFTER_CHECKPOINT_2 = kill_after_checkpoint(2)
 
 
 def child_env() -> dict:

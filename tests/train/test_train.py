@@ -15,18 +15,7 @@ from safetensors.torch import load_file
 
 from qwenft.files import umask
 from tests.conftest import QUESTIONS, ROOT, compose_config, qwenft_in_process, run_train, train_overrides
-
-# Killed right after checkpoint-3 is in place: the on_save hook that renamed it has returned.
-KILL_AFTER_STEP_3 = """
-import os, signal
-from qwenft.train.callbacks import AtomicCheckpoints
-_on_save = AtomicCheckpoints.on_save
-def _save_then_die(self, args, state, control, **kwargs):
-    _on_save(self, args, state, control, **kwargs)
-    if state.global_step == 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-AtomicCheckpoints.on_save = _save_then_die
-"""
+from tests.train.conftest import kill_after_checkpoint
 
 
 def final_state(run_dir: Path):
@@ -43,7 +32,7 @@ def test_sigkill_after_checkpoint_then_resume_equals_uninterrupted(tmp_path):
     result = run_train(train_overrides(tmp_path, straight))
     assert result.returncode == 0, result.stderr[-3000:]
 
-    result = run_train(train_overrides(tmp_path, killed), patch=KILL_AFTER_STEP_3)
+    result = run_train(train_overrides(tmp_path, killed), patch=kill_after_checkpoint(3))
     assert result.returncode == -9, result.stderr[-3000:]
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["checkpoint-3"]
     assert not (killed / "adapter").exists()
