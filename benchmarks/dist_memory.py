@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true",
                         help="deepspeed_zero3: record the gathered parameters at the loss and the first backward")
     opts = parser.parse_args()
-    from tests.test_train import write_rows
+    from tests.conftest import write_rows
 
     with tempfile.TemporaryDirectory(prefix="dist_memory_") as tmp:
         rows = write_rows(Path(tmp) / "rows.jsonl", n=16)

@@ -32,12 +32,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def file_group(item) -> str:
+    """``item``'s file below tests/ (``data/test_data.py``): the group of a test without an ``xdist_group`` mark."""
+    return item.path.relative_to(Path(__file__).parent).as_posix()
+
+
 def xdist_group(item) -> str:
     """The xdist group ``item`` runs in: its ``xdist_group`` mark, else its file (a file's module fixtures are then
     built once, on one worker)."""
     for mark in item.iter_markers("xdist_group"):
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-    return item.path.name
+    return file_group(item)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -49,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
     seconds = json.loads(DURATIONS.read_text(encoding="utf-8"))["groups"] if DURATIONS.is_file() else {}
     for item in items:
         if not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+            item.add_marker(pytest.mark.xdist_group(file_group(item)))
     items.sort(key=lambda item: -seconds.get(xdist_group(item), 0.0))  # stable: a group's tests keep their order
 
 

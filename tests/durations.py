@@ -18,7 +18,7 @@ LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+)")
 
 def group_seconds(lines) -> dict:
     """``{group: seconds}`` from the lines of a ``--durations=0`` listing; a test's group is the name after ``@`` in
-    its node id (``--dist loadgroup``), else its file name."""
+    its node id (``--dist loadgroup``), else its file below tests/ (``data/test_data.py``)."""
     seconds = defaultdict(float)
     for line in lines:
         match = LINE.match(line)
@@ -26,7 +26,7 @@ def group_seconds(lines) -> dict:
             continue
         nodeid = match.group(3)
         path, _, rest = nodeid.partition("::")
-        group = rest.rpartition("@")[2] if "@" in rest else Path(path).name
+        group = rest.rpartition("@")[2] if "@" in rest else path.removeprefix("tests/")
         seconds[group] += float(match.group(1))
     return dict(sorted(((g, round(s, 1)) for g, s in seconds.items()), key=lambda item: -item[1]))
 

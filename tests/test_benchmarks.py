@@ -144,7 +144,7 @@ def test_sampler_benchmark_pairs_steps_and_checks_the_forward_inputs(tmp_path):
             assert _positive(row[key]), (key, row)
 
 
-@pytest.mark.slow  # a benchmark script, both arms in new interpreters
+@pytest.mark.slow  # a benchmark script in a new interpreter, both arms scored on every question
 def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path, bench_dir):
     """benchmarks/bench_eval.py --quick: qwenft's lm-eval model and lm-eval's HFLM on the same tiny-random model and
     MMLU questions (invented files in MMLU's layout), in ABBA order, float32 and bfloat16; the JSON has every field."""
@@ -199,7 +199,7 @@ def test_eval_memory_quick_mode_measures_after_train_later_eval_and_plan(tmp_pat
     assert result["memory"]["train"]["bytes"] > 0 and result["plan_evaluation"]["peak"] == peaks["plan"]
 
 
-@pytest.mark.slow  # a benchmark script on the real tokenizer, both arms in new interpreters
+@pytest.mark.slow  # a benchmark script on the real tokenizer, its arms in new interpreters
 def test_data_scale_quick_mode_runs_both_arms_and_the_cache_hit(tmp_path, shared_data, embedded_dir):
     """benchmarks/data_scale.py --quick: 2,000 unique rows generated from the shared alpaca and GSM8K files;
     `qwenft data` (a cache miss), the plain load_dataset + map and `qwenft data` again (a hit), each a child process

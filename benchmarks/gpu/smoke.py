@@ -121,7 +121,8 @@ def main() -> int:
         ok &= _step("merge", [*qwenft, "merge", f"adapter={adapter}", f"out={work / 'merged'}"], 0,
                     [("model.safetensors", has(work / "merged" / "model.safetensors")),
                      ("no quantization_config", no_quant)], log, env)
-        if device == "cuda":  # the sharding engines' device paths, one process each (CPU ranks: tests/test_dist_launch)
+        # the sharding engines' device paths, one process each (CPU ranks: tests/train/test_dist_launch)
+        if device == "cuda":
             import importlib.util
 
             presets = ["fsdp"] + (["deepspeed_zero2", "deepspeed_zero3"] if importlib.util.find_spec("deepspeed")

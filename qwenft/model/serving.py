@@ -2,9 +2,9 @@
 the ``--max-lora-rank`` that needs.
 
 One rule, :func:`vllm_support`, read by ``qwenft merge`` (its closing lines and the model card), by ``qwenft eval
-adapter=...`` (one warning, :func:`vllm_warning`) and by ``tests/test_serving.py``, which checks it against the table in
-docs/serve.md ("vLLM, llama.cpp and Ollama"). Each fact names where in vLLM it was read (vLLM source and docs,
-releases 0.10-0.22).
+adapter=...`` (one warning, :func:`vllm_warning`) and by ``tests/serve/test_serving.py``, which checks it against the
+table in docs/serve.md ("vLLM, llama.cpp and Ollama"). Each fact names where in vLLM it was read (vLLM source and
+docs, releases 0.10-0.22).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # adapter fails with "expected target modules in [...]" (vllm-project/vllm PR #33234, open, would add them).
 VLLM_QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# The adapter_config.json keys the rule reads; docs/serve.md's table lists exactly these (tests/test_serving.py).
+# The adapter_config.json keys the rule reads; docs/serve.md's table lists exactly these (tests/serve/test_serving.py).
 VLLM_CHECKED_KEYS = ("peft_type", "r", "target_modules", "use_dora", "modules_to_save", "bias", "lora_bias",
                      "rank_pattern", "alpha_pattern", "trainable_token_indices")
 

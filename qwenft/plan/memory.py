@@ -18,7 +18,7 @@ stack drive most terms:
   gathered hidden states, a 16-bit copy of an fp32 lm_head under autocast, and keeps the ``[rows, hidden]``
   gradient for backward.
 
-The per-layer formula is checked against the bytes autograd really saves on the tiny model (tests/test_plan.py)
+The per-layer formula is checked against the bytes autograd really saves on the tiny model (tests/plan/test_plan.py)
 and the whole peak against a measured CPU step (benchmarks/plan_accuracy.py).
 """
 

@@ -329,7 +329,7 @@ def gated_run(tmp_path_factory):
     return tmp, run_dir, result
 
 
-@pytest.mark.slow  # the real entry point's exit code 3 after a training run
+@pytest.mark.slow  # the command line's exit code 3 after a training run, in a new process
 def test_train_exits_3_after_writing_everything(gated_run):
     _, run_dir, result = gated_run
     assert result.returncode == 3, result.stderr[-3000:]
@@ -344,7 +344,7 @@ def test_train_exits_3_after_writing_everything(gated_run):
     assert "verdict: gates failed: toy" in (run_dir / "train.log").read_text()
 
 
-@pytest.mark.slow  # the real entry point's exit codes, four eval processes
+@pytest.mark.slow  # the command line's exit codes: four eval processes
 def test_eval_exit_codes(gated_run, tmp_path):
     """`eval` with the adapter: 3 with fail_on_gate, 0 without (report still FAIL); the base alone: 0, not judged;
     a bad gate key: 2 before any model loads (no run directory)."""

@@ -45,10 +45,7 @@ def embedded_merge(tmp_path_factory, embedded_dir) -> Path:
 
     root = tmp_path_factory.mktemp("embedded_merge")
     adapter = root / "run" / "adapter"
-    # the adapter records 6 held-out rows (4 domain facts, 2 general), which the cost rows measure on each artifact:
-    # the defaults' 30 rows cost ~80 s more here and test nothing more (the rows' perplexity ratios and agreement)
-    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", "data.sources.0.eval_rows=4",
-                 "data.sources.1.eval_rows=2", std=0.01, model_args=())
+    make_adapter(adapter, "quant=none", "lora.r=8", "lora.lora_alpha=16", std=0.01, model_args=())
     gguf = ("merge.gguf=f16", "merge.verify_gguf=true", "merge.quantize=[gguf-q4_k_m]",
             "eval.max_new_tokens=8", "eval.max_eval_prompts=3") if importlib.util.find_spec("llama_cpp") else ()
     merge(merge_config(adapter, root / "merged", "merge.dtype=float32", *gguf), device="cpu")

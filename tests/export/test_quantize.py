@@ -291,7 +291,7 @@ def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
         check_request(config, json.loads((out / "config.json").read_text()), None)
 
 
-@pytest.mark.slow  # two merges with llama.cpp quantization end to end
+@pytest.mark.slow  # two merges, each artifact measured by llama.cpp in its child processes
 def test_adding_an_artifact_keeps_the_earlier_rows_and_says_when(tmp_path, monkeypatch, capsys):
     """A run that adds an artifact to a quantized merge measures the 16-bit merge and the new artifact, keeps the other
     rows as they were, and the table says when each row was measured (was: one table of two runs' tokens/s, unmarked);

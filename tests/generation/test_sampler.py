@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +25,7 @@ from qwenft.generation.params import SamplingParams, resolve_params
 from qwenft.generation.text import REPLACEMENT, RowText, ends_with_any
 from qwenft.model import load_model
 from qwenft.generation import Sampler
-from tests.conftest import compose_config
+from tests.conftest import compose_config, qwenft_in_process
 
 PROMPTS = ["Hello there, how are you", "春天来了", "The quick brown fox jumps over the lazy dog. And then", "0 1"]
 
@@ -472,15 +470,15 @@ def test_prompts_file_goes_through_the_data_files_reader(tmp_path):
         read_prompts(str(path))
 
 
-def test_cli_prompts_file(tmp_path):
-    """The real command line (COMMAND_TABLE, Hydra, exit code): a JSONL file in, a JSONL file out."""
+def test_cli_prompts_file(tmp_path, capsys, monkeypatch):
+    """The command line (COMMAND_TABLE, Hydra, exit code), in this process: a JSONL file in, a JSONL file out."""
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "hello", "id": 1}, {"messages": [{"role": "user", "content": "春天"}]}, {"prompt": "0 1 2"}]
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in rows]
     prompts.write_text(lines[0] + "\n" + "".join(lines[1:]), encoding="utf-8")  # a blank line 2 is skipped
-    command = [sys.executable, "-m", "qwenft", "generate", "model=tiny-random", "quant=none", f"prompts_file={prompts}",
-               "generate.max_new_tokens=5", "generate.batch_size=2"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    monkeypatch.chdir(tmp_path)
+    done = qwenft_in_process(capsys, "generate", "model=tiny-random", "quant=none", f"prompts_file={prompts}",
+                             "generate.max_new_tokens=5", "generate.batch_size=2")
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in (tmp_path / "prompts.generations.jsonl").read_text().splitlines()]
     assert [line.get("id") for line in lines] == [1, None, None] and "messages" in lines[1]

@@ -326,11 +326,12 @@ def test_result_console_width_off_a_terminal(monkeypatch):
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 60
 
 
-def test_plan_out_that_is_a_directory_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "qwenft", "plan", f"plan.out={tmp_path}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and f"{tmp_path}: is a directory" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+def test_plan_out_that_is_a_directory_is_one_line(tmp_path, capsys):
+    from tests.conftest import run_main
+
+    code, err = run_main(["plan", f"plan.out={tmp_path}"], capsys)
+    assert code == 2 and f"{tmp_path}: is a directory" in err, err[-2000:]
+    assert "Traceback" not in err
 
 
 def test_auto_dtypes_and_supervised_fraction():

@@ -210,12 +210,12 @@ def test_liger_path_calls_liger_public_api(monkeypatch):
     assert calls == {}
 
 
-def test_liger_on_a_cpu_is_refused_before_loading(tmp_path):
-    from tests.conftest import run_train
+def test_liger_on_a_cpu_is_refused_before_loading(tmp_path, capsys):
+    from tests.conftest import run_main
 
-    result = run_train(["model=tiny-random", "train.kernels=liger", f"out_dir={tmp_path / 'run'}"])
-    assert result.returncode == 2
-    assert "train.kernels=liger needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+    code, err = run_main(["train", "model=tiny-random", "train.kernels=liger", f"out_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2
+    assert "train.kernels=liger needs a CUDA GPU" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 

@@ -72,27 +72,25 @@ def test_fp16_overflow_says_what_to_do_and_finished_rows_are_ignored():
     check_finite(logits, torch.tensor([True, False]), 4, torch.float16)  # row 1 has finished: not sampled
 
 
-def test_generate_command_prints_one_line(tmp_path, monkeypatch):
-    """``qwenft generate`` on a model whose logits overflow: one error line (exit 2), no traceback."""
-    import subprocess
-    import sys
+def test_generate_command_prints_one_line(tmp_path, monkeypatch, capsys):
+    """``qwenft generate`` on a model whose logits overflow: one error line (exit 2), no traceback (in this process,
+    the model loader patched to poison the logits)."""
+    import qwenft.model.inference as inference
+    from qwenft.model import load
+    from tests.conftest import qwenft_in_process
 
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import sys, torch\n"
-        "from qwenft.model import load as load\n"
-        "original = load.load_model\n"
-        "def poisoned(*a, **k):\n"
-        "    model, tok = original(*a, **k)\n"
-        "    model.get_output_embeddings().register_forward_hook(lambda m, i, o: o * float('nan'))\n"
-        "    return model, tok\n"
-        "load.load_model = poisoned\n"
-        "import qwenft.model.inference as inference\n"
-        "inference.load_model = poisoned\n"
-        "from qwenft.cli import main\n"
-        "main(['generate', 'model=tiny-random', 'quant=none', 'prompt=hi', 'generate.max_new_tokens=3'])\n",
-        encoding="utf-8")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    original = load.load_model
+
+    def poisoned(*args, **kwargs):
+        model, tokenizer = original(*args, **kwargs)
+        model.get_output_embeddings().register_forward_hook(lambda module, inputs, out: out * float("nan"))
+        return model, tokenizer
+
+    monkeypatch.setattr(load, "load_model", poisoned)
+    monkeypatch.setattr(inference, "load_model", poisoned)
+    monkeypatch.chdir(tmp_path)
+    proc = qwenft_in_process(capsys, "generate", "model=tiny-random", "quant=none", "prompt=hi",
+                             "generate.max_new_tokens=3")
     lines = [line for line in proc.stderr.splitlines() if line.startswith("qwenft: error:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "NaN logits at prefill (step 0)" in lines[0] and "float32" in lines[0] and "Traceback" not in proc.stderr
