@@ -73,6 +73,21 @@ class _CurrentStream:
         getattr(sys, self.name).flush()
 
 
+def _owned_loggers() -> list:
+    """The loggers whose handlers a command's run sets up (Hydra's logging config, ``qwenft``'s own)."""
+    return [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
+
+
+def _remove_added_handlers(before: dict) -> None:
+    """Remove and close the handlers of :func:`_owned_loggers` that are not in ``before`` (``{name: handlers}``),
+    but pytest's own."""
+    for logger in _owned_loggers():
+        for handler in list(logger.handlers):
+            if handler not in before[logger.name] and not type(handler).__module__.startswith("_pytest"):
+                logger.removeHandler(handler)
+                handler.close()
+
+
 @pytest.fixture(autouse=True)
 def _logging_left_clean():
     """After each test, no log handler writes to a stream pytest has closed ("I/O operation on closed file", a
@@ -84,14 +99,9 @@ def _logging_left_clean():
       now closed writes to the current stream instead (they are made once per process, by whichever test first
       imports the library, so they cannot be removed).
     """
-    owned = [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
-    before = {logger.name: list(logger.handlers) for logger in owned}
+    before = {logger.name: list(logger.handlers) for logger in _owned_loggers()}
     yield
-    for logger in owned:
-        for handler in list(logger.handlers):
-            if handler not in before[logger.name] and not type(handler).__module__.startswith("_pytest"):
-                logger.removeHandler(handler)
-                handler.close()
+    _remove_added_handlers(before)
     loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
                                       if isinstance(logger, logging.Logger))]
     for logger in loggers:
@@ -215,8 +225,7 @@ def qwenft_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     and transformers in a new interpreter."""
     from qwenft.cli import main
 
-    owned = [logging.getLogger(), *(logging.getLogger(name) for name in ("qwenft", "hydra"))]
-    before = {logger.name: list(logger.handlers) for logger in owned}
+    before = {logger.name: list(logger.handlers) for logger in _owned_loggers()}
     capsys.readouterr()
     code = 0
     try:
@@ -226,11 +235,7 @@ def qwenft_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     finally:
         # as the end of a process would: the run's log handlers (Hydra's train.log file among them) go, so a later
         # call's messages never reach an earlier run's log
-        for logger in owned:
-            for handler in list(logger.handlers):
-                if handler not in before[logger.name]:
-                    logger.removeHandler(handler)
-                    handler.close()
+        _remove_added_handlers(before)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["qwenft", *args], code, out, err)
 

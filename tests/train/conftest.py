@@ -29,6 +29,7 @@ from qwenft.cli import main
 main(sys.argv[1:])
 """
 
+
 def kill_after_checkpoint(step: int) -> str:
     """A test-only patch (the ``patch`` of :func:`tests.conftest.run_train` and :func:`torchrun`): the process kills
     itself by SIGKILL right after checkpoint-``step`` is in place (the on_save hook that renamed it has returned)."""
