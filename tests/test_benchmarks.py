@@ -243,7 +243,7 @@ def test_suite_rejects_an_unknown_benchmark():
     assert proc.returncode == 2 and "unknown benchmark(s) nope" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the whole benchmark suite in quick mode (several minutes)
 @pytest.mark.skipif(not os.environ.get("QWENFT_SUITE_TEST"),
                     reason="several minutes; QWENFT_SUITE_TEST=1 runs it (the runner itself is tested above)")
 def test_cpu_suite_quick_mode(tmp_path):

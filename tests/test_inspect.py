@@ -213,7 +213,7 @@ def test_redirected_tables_keep_every_value(tmp_path):
     assert "attends" in proc.stdout and "H(attn)" in proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B and tokenizer: the per-layer trace of a Chinese prompt
 def test_inspect_embedded_chinese_prompt(tmp_path, embedded_dir):
     """The real 0.5B model (16-bit, to stay fast on a CPU) on a Chinese prompt: tables printed, JSON written."""
     out = tmp_path / "trace.json"

@@ -107,7 +107,7 @@ def test_installed_copy_runs_from_an_empty_directory(installed, tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["mine", "run"]  # nothing else written here
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the installed wheel's data on the real tokenizer
 def test_installed_quickstart_data_on_the_embedded_model(installed, embedded_dir, tmp_path):
     """`python -m qwenft data +recipe=quickstart` exactly as the issue gives it (the embedded model; slow only
     when it has to be converted first)."""

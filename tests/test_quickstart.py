@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import SHARED_DATA
 from tests.conftest import run_train
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the real 0.5B trained end to end by the recipes, in new processes
 
 RUN_FILES = ("config.yaml", "metrics.json", "generations.jsonl", "report.md", "loss_curve.png", "metrics.png",
              "train.log", ".hydra/config.yaml", ".hydra/overrides.yaml", "adapter/adapter_config.json",

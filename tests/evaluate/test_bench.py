@@ -633,7 +633,7 @@ def test_a_users_task_directory_runs_base_and_tuned(bench_run, tmp_path, capsys,
 SLOW_SUBJECTS = ("world_religions", "abstract_algebra")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B: MMLU predictions equal lm-eval's HFLM
 def test_same_mmlu_predictions_as_lm_eval_hflm(embedded_dir, shared_data, tmp_path):
     """12 questions (6 per subject; 20 cost 116 s of CI), the same fp32 model object through QwenftLM and through HFLM: the same letter (argmax of
     the four log-likelihoods) for every question, and log-likelihoods within 1e-3 nats. Both run the same

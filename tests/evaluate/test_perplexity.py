@@ -198,7 +198,7 @@ def test_the_side_the_caller_set_is_the_side_scored(fp32_model):
     assert abs(on.perplexity / base.perplexity - 1) > 1e-2  # the adapter is not a no-op
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B: its perplexity on 4,096 WikiText-2 tokens
 def test_embedded_model_wikitext_perplexity(shared_data, embedded_dir):
     """The 0.5B model on the first 4,096 tokens of WikiText-2 test (raw)."""
     text = (shared_data / "ppl" / "wiki.test.raw").read_text(encoding="utf-8")

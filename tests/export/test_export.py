@@ -541,7 +541,7 @@ def test_model_card_eval_table(tmp_path):
 # --- the embedded 0.5B model ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real Qwen tokenizer's fields in a GGUF
 def test_gguf_tokenizer_fields_of_the_real_qwen_tokenizer(embedded_dir):
     import gguf
 
@@ -555,7 +555,7 @@ def test_gguf_tokenizer_fields_of_the_real_qwen_tokenizer(embedded_dir):
     assert types.count(int(gguf.TokenType.UNUSED)) == 151936 - len(tokenizer)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B merge (shared): the strict float32 check
 @pytest.mark.xdist_group("embedded_merge")  # one worker builds the shared merge once
 def test_embedded_merge(embedded_merge, embedded_dir):
     """The 0.5B model with a 16-bit-base adapter, merged in float32 (the merge the conftest fixture shares). The NF4

@@ -174,7 +174,7 @@ def test_tiny_random_merge_is_checked_by_llama_cpp_and_broken_ggufs_are_rejected
     assert any("renders a two-turn conversation differently" in p for p in verdict.chat["problems"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B merge (shared): its GGUFs run by llama.cpp
 @pytest.mark.xdist_group("embedded_merge")  # one worker builds the shared merge once
 def test_embedded_merge_checked_by_llama_cpp(tmp_path, embedded_merge):
     """The 0.5B model with a random r=8 adapter, merged in float32 with an f16 GGUF run by llama.cpp (the merge the

@@ -343,7 +343,7 @@ def test_adding_an_artifact_keeps_the_earlier_rows_and_says_when(tmp_path, monke
     assert "measure gguf-q6_k (llama.cpp)" in bars and "measure gguf-q8_0 (llama.cpp)" not in bars, bars
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # llm-compressor's GPTQ and AWQ end to end
 def test_tiny_random_gptq_and_awq(tmp_path):
     """GPTQ and AWQ by llm-compressor on a tiny-random of width 128 (one group per row): compressed-tensors
     directories that transformers loads, measured in the cost table; AWQ's 8 rows go in one right-padded batch."""
@@ -373,7 +373,7 @@ def test_tiny_random_gptq_and_awq(tmp_path):
     assert f"vllm serve {out / 'w4a16-awq'}" in (out / "README.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B merge (shared): Q4_K_M by llama.cpp
 @pytest.mark.xdist_group("embedded_merge")  # one worker builds the shared merge once
 def test_embedded_model_k_quant(embedded_merge):
     """The 0.5B model with a random r=8 adapter (the float32 merge the conftest fixture shares): Q4_K_M (llama.cpp's

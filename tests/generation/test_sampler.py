@@ -417,7 +417,7 @@ def test_streaming_chinese_with_tiny_tokenizer(tiny):
     _stream_chinese(tokenizer, "春天来了，花开了。我们一起去公园散步吧！🌸 春眠不觉晓")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real Qwen tokenizer: Chinese text streamed whole across multi-byte tokens
 def test_streaming_chinese_with_qwen_tokenizer(embedded_dir):
     from qwenft.model import load_tokenizer
 
@@ -545,7 +545,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):
 # ---------------------------------------------------------------- the embedded 0.5B model (slow)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B: greedy tokens equal transformers' on real weights
 @pytest.mark.parametrize("quant", ["none", "nf4"])
 def test_embedded_greedy_equals_transformers(embedded_dir, quant, tmp_path):
     """bf16 and NF4: greedy tokens equal model.generate(do_sample=False) for batch 1 and a batch of 4.

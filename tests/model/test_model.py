@@ -128,7 +128,7 @@ def test_bad_sources_are_user_errors(tmp_path):
         load_adapter(model, str(tmp_path))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B: converted once, reloaded from the cache in a new process
 def test_embedded_model(embedded_dir):
     """The embedded 0.5B model: converted once, then reloaded from the cache in a new process."""
     config = json.loads((embedded_dir / "config.json").read_text())

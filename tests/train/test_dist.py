@@ -47,7 +47,7 @@ def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_pat
     assert_same_training(run_dir, reference, same_arithmetic=one_rank_ddp_run)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun: two ranks, one killed by SIGKILL, then resumed
 def test_torchrun_resume_after_sigkill_equals_one_process(tmp_path, single_process_run, one_rank_ddp_run):
     reference, rows = single_process_run
     run_dir = tmp_path / "run"
@@ -63,7 +63,7 @@ def test_torchrun_resume_after_sigkill_equals_one_process(tmp_path, single_proce
     assert_same_training(run_dir, reference, resumed=True, same_arithmetic=one_rank_ddp_run)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # accelerate launch: two processes
 def test_accelerate_launch_two_processes_equal_one_process(tmp_path, single_process_run, one_rank_ddp_run):
     reference, rows = single_process_run
     work = tmp_path / "work"

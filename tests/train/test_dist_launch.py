@@ -43,7 +43,7 @@ transformers.Trainer.training_step = _checked_step
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun: FSDP on two ranks, killed and resumed
 def test_fsdp_two_cpu_ranks_resume_after_sigkill_and_evaluate_equal_one_process(tmp_path, single_process_run):
     reference, rows = single_process_run
     run_dir = tmp_path / "run"
@@ -69,7 +69,7 @@ def test_fsdp_two_cpu_ranks_resume_after_sigkill_and_evaluate_equal_one_process(
     assert metrics["train"]["global_step"] == 4 and "memory" in metrics and "eval" in metrics["memory"], metrics.keys()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun: FSDP QLoRA on two ranks
 def test_fsdp_qlora_nf4_in_bfloat16_storage_trains_on_two_cpu_ranks(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl", n=16)
     nf4 = [*common_args(rows), "quant=nf4"]
@@ -100,7 +100,7 @@ def test_fsdp_qlora_nf4_in_bfloat16_storage_trains_on_two_cpu_ranks(tmp_path):
     assert_identical_adapters(run_dir, reference)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun: ZeRO-2/3 on two ranks
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 @pytest.mark.parametrize("preset", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_deepspeed_two_cpu_ranks_equal_one_process(preset, tmp_path, single_process_run):
@@ -139,7 +139,7 @@ def two_nodes(tmp_path: Path, cwd: Path, args: list, timeout: int = 900) -> list
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun: two nodes' rendezvous, one process each
 @pytest.mark.parametrize("dist", ["ddp", "fsdp"])
 def test_two_nodes_one_process_each_equal_one_process(dist, tmp_path, single_process_run, one_rank_ddp_run):
     reference, rows = single_process_run
@@ -162,7 +162,7 @@ def test_two_nodes_one_process_each_equal_one_process(dist, tmp_path, single_pro
 # --- bad setups: one line each ---------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun: several processes, each stopping with one line
 def test_more_processes_than_the_examples_can_feed_is_one_line_per_rank(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl", n=16)
     run_dir = tmp_path / "run"

@@ -235,7 +235,7 @@ def test_untied_head_is_kept_in_the_autocast_dtype_and_a_tied_one_is_not(tmp_pat
     assert torch.isfinite(trainer.compute_loss(model, dict(batch)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real 0.5B: the chunked loss on real weights
 def test_chunked_loss_equals_the_model_loss_on_the_embedded_model(tmp_path, embedded_dir, monkeypatch):
     """The real Qwen2.5 vocabulary (151,936 rows), fp32, 8-token chunks: QwenftTrainer.compute_loss against the exact
     (float64) value of the loss of the same hidden states, and against transformers' fp32 loss and LoRA gradients."""
