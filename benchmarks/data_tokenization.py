@@ -2,7 +2,7 @@
 
 The rows are 2,000 real ones from ../shared/data (1,000 GSM8K math problems, question -> instruction and
 answer -> output, and 1,000 Chinese Alpaca instructions), read and normalised once. Each arm runs
-``qwenft.data.pipeline.tokenize_rows`` (chat template + response-only labels, the real Qwen2.5 tokenizer of
+``qwenft.data.encode.tokenize_rows`` (chat template + response-only labels, the real Qwen2.5 tokenizer of
 the embedded model, cache off) on all of them; the arms alternate (1, 2, 1, 2, ...) in one process so that
 machine noise hits both. Reported: median rows/s per arm and the ratio parallel / single (target > 1 on
 a machine with 2 free cores; process start-up and pickling the 10 MB tokenizer are included, as a user
@@ -46,7 +46,7 @@ def run_arm(rows, tokenizer, num_proc: int, fingerprint: str):
     import datasets
 
     from qwenft.config import DataConfig, DataSource
-    from qwenft.data.pipeline import tokenize_rows
+    from qwenft.data.encode import tokenize_rows
 
     dcfg = DataConfig(max_seq_len=1024, num_proc=num_proc, cache=False)
     source = DataSource(name="bench", path="bench.jsonl")

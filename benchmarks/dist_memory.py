@@ -75,7 +75,7 @@ import os, sys, json
 from pathlib import Path
 from transformers import TrainerCallback
 import qwenft.train.run as run_module
-from qwenft.runtime import _status_bytes, release_freed_memory
+from qwenft.memory import _status_bytes, release_freed_memory
 
 class TrainPeak(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
@@ -126,7 +126,7 @@ import contextlib, re
 import qwenft.train.loss as loss_module
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from qwenft.runtime import _status_bytes
+from qwenft.memory import _status_bytes
 PROBED = {"model": None, "step": 0, "resets": 0}
 
 def census(where):

@@ -17,7 +17,7 @@ Each step is its own ``python -m qwenft`` child process (repo root, ``HF_HUB_OFF
 3. ``eval`` with the same data and evaluation settings and ``adapter=RUN/adapter``;
 4. ``plan`` with the same settings and ``plan.device`` the device the run used; its ``evaluation.peak``.
 
-Measured figures: ``memory.eval.bytes`` of each run's metrics.json (:func:`qwenft.runtime.peak_memory`: the peak
+Measured figures: ``memory.eval.bytes`` of each run's metrics.json (:func:`qwenft.memory.peak_memory`: the peak
 resident set on a CPU, ``torch.cuda.max_memory_allocated`` on CUDA), beside ``memory.train`` of the training run.
 Reported: the three figures, the ratios after-train / later, after-train / plan and later / plan with each target's
 pass/fail, each command's exit status and wall seconds, and the load average around each command. The default run

@@ -177,8 +177,8 @@ def bootstrap_median_ci(groups, resamples: int = 2000, seed: int = 0):
 def bench_model(quant: str, batches, new_tokens: int, repeats: int, bandwidth: float, model_preset=None):
     import torch
 
-    from qwenft.hydra_app import validate
-    from qwenft.hydra_app import register_resolvers
+    from qwenft.cli.compose import validate
+    from qwenft.cli.compose import register_resolvers
     from qwenft.generation.kv_cache import left_pad
     from qwenft.model import load_model
     from qwenft.generation import Sampler

@@ -67,7 +67,7 @@ def qwenft_arm(config, steps: int, tmp: Path):
     model, tokenizer = load_model(config)
     bundle = data_lib.build(config, tokenizer)
     model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
-    trainer = make_trainer(config, model, tokenizer, bundle, tmp / "qwenft")
+    trainer = make_trainer(config, model, tokenizer, bundle, tmp / "qwenft", "none")
     timer = StepTimer()
     timer.wrap(trainer)
     trainer.add_callback(timer.callback)

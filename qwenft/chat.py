@@ -1,4 +1,4 @@
-"""Chat facts of Qwen2.5: its special tokens and the ids a generation must stop on.
+"""Chat facts of Qwen2.5: its special tokens, the ids a generation must stop on and its sampling defaults.
 
 Instruct models end a turn with ``<|im_end|>`` (151645); ``<|endoftext|>`` (151643) is the base model's end and the
 pad token. The chat template itself ships with the tokenizer (ChatML; ``apply_chat_template``).
@@ -16,6 +16,14 @@ IM_END = "<|im_end|>"
 
 
 IM_START = "<|im_start|>"  # opens a ChatML turn: <|im_start|>role\ncontent<|im_end|>\n
+
+
+# Qwen2.5 Instruct's sampling defaults (its generation_config.json): the same for every size but the repetition
+# penalty, REPETITION_PENALTY by size.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+REPETITION_PENALTY = {"0.5B": 1.1, "7B": 1.05}
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> List[int]:

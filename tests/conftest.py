@@ -115,8 +115,8 @@ def _logging_left_clean():
 
 def compose_config(*overrides: str, command: str = "train"):
     """Compose conf/config.yaml with ``overrides`` exactly as the CLI does and validate it."""
-    from qwenft.hydra_app import validate
-    from qwenft.hydra_app import register_resolvers
+    from qwenft.cli.compose import validate
+    from qwenft.cli.compose import register_resolvers
 
     register_resolvers()
     return validate(command, list(overrides))[0]

@@ -43,7 +43,7 @@ def tiny():
 
 
 def data_config(*overrides: str, command: str = "data"):
-    from qwenft.hydra_app import free_form
+    from qwenft.cli.overrides import free_form
 
     return compose_config(*free_form(["model=tiny-random", "data.cache=false", *overrides]), command=command)
 

@@ -1,5 +1,6 @@
-"""The package's structure: no import cycles (function-level imports included), no module over 400 lines, and the
-rooms' import direction (cli -> commands -> model, data, chat, runtime -> config)."""
+"""The package's structure: no import cycles (function-level imports included), no module over 400 lines, the
+rooms' import direction (cli -> commands -> model, data, chat, runtime -> config), and one place for every command
+(``qwenft/<room>/command.py`` defines ``<verb>_command``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "qwenft"
 MAX_LINES = 400
 # The lower rooms, which no command room may be imported by: each may import only rooms listed after it here.
-LOWER = ["model", "data", "kernels", "chat", "runtime", "runlock", "files", "logfilter", "resources", "config"]
-COMMANDS = ["train", "evaluate", "generation", "export", "plan", "trace", "recipes", "serve"]
+LOWER = ["model", "data", "kernels", "chat", "memory", "runtime", "runlock", "files", "logfilter", "resources",
+         "config"]
+COMMANDS = ["train", "evaluate", "generation", "export", "plan", "inspect", "recipes", "serve"]
+ENTRY = ["cli"]
 
 
 def module_name(path: Path) -> str:
@@ -100,11 +103,34 @@ def test_rooms_import_one_way():
             other = _room(target)
             if other == room or not other:
                 continue
-            if room in LOWER and (other in COMMANDS or other in ("cli", "hydra_app") or other.endswith(".command")):
+            if room in LOWER and (other in COMMANDS or other in ENTRY or other.endswith(".command")):
                 wrong.append(f"{source} -> {target}")
             elif room in LOWER and other in LOWER and LOWER.index(other) < LOWER.index(room):
                 wrong.append(f"{source} -> {target}")
     assert not wrong, "imports against the rooms' direction: " + "; ".join(sorted(wrong))
+
+
+def defined_functions(path: Path) -> Set[str]:
+    """The names of the functions defined at the top level of ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def test_every_command_is_its_rooms_command_module():
+    """``python -m qwenft VERB`` runs ``<verb>_command`` defined in ``qwenft/<room>/command.py``, for every verb of
+    the CLI's table, and every ``command.py`` of the package is a verb's (no command lives anywhere else)."""
+    from qwenft.cli.dispatch import COMMAND_TABLE
+
+    missing = []
+    for verb, (_, room) in COMMAND_TABLE.items():
+        path = PACKAGE / room / "command.py"
+        if not path.is_file() or f"{verb}_command" not in defined_functions(path):
+            missing.append(f"{verb}: {verb}_command in {path.relative_to(ROOT)}")
+    assert not missing, "commands not where the convention puts them: " + "; ".join(missing)
+    rooms = {room for _, room in COMMAND_TABLE.values()}
+    assert {p.parent.name for p in PACKAGE.rglob("command.py")} == rooms
+    for name in ("cli.py", "hydra_app.py", "trace.py", "recipes.py", "usage.py", "grid.py"):  # gone into rooms
+        assert not (PACKAGE / name).exists(), name
 
 
 def test_the_checks_see_a_cycle_and_function_level_imports(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qwenft.config import ConfigError
-from qwenft.hydra_app import register_resolvers, validate
+from qwenft.cli.compose import register_resolvers, validate
 from qwenft.resources import available_recipes, recipe_dir
 from tests.conftest import ROOT, compose_config
 
@@ -207,9 +207,9 @@ def test_result_on_stdout_stays_clean_and_a_closed_pipe_is_quiet(tmp_path):
 
 
 def test_builtin_recipe_wins_over_a_same_named_file_here(tmp_path, monkeypatch, caplog):
-    import qwenft.hydra_app as hydra_app
+    import qwenft.cli.recipe_files as recipe_files
 
-    monkeypatch.setattr(hydra_app, "_NOTED", set())
+    monkeypatch.setattr(recipe_files, "_NOTED", set())
     monkeypatch.chdir(tmp_path)
     _my_recipe(tmp_path, "quickstart.yaml")
     with caplog.at_level("WARNING", logger="qwenft"):

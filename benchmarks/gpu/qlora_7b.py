@@ -104,8 +104,8 @@ def parse_args(argv=None):
 
 def qwenft_config(args, out_dir: str):
     """The validated qwenft config of this run (LoRA, train settings; the model section feeds the planner)."""
-    from qwenft.hydra_app import validate
-    from qwenft.hydra_app import register_resolvers
+    from qwenft.cli.compose import validate
+    from qwenft.cli.compose import register_resolvers
 
     cuda = args.device.startswith("cuda")
     model = tiny_overrides(TINY) if args.tiny else ["model=qwen2.5-7b-instruct"]

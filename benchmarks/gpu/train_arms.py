@@ -141,17 +141,15 @@ def qwenft_builder(build_model: Callable[[], object], tokenizer, config, rows, t
         from transformers import set_seed
 
         from qwenft.data import DataBundle
-        from qwenft.kernels import apply_kernels
         from qwenft.model import attach_lora
         from qwenft.train.trainer import make_trainer
 
         cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, kernels=kernels))
         model = build_model()
-        apply_kernels(model, kernels)
         set_seed(cfg.train.seed)
-        model = attach_lora(model, cfg.lora, gradient_checkpointing=cfg.train.gradient_checkpointing)
+        model = attach_lora(model, cfg.lora, gradient_checkpointing=cfg.train.gradient_checkpointing, kernels=kernels)
         bundle = DataBundle(train=rows, eval=None, eval_rows={}, stats={})
-        return make_trainer(cfg, model, tokenizer, bundle, tmp / f"qwenft-{kernels}")
+        return make_trainer(cfg, model, tokenizer, bundle, tmp / f"qwenft-{kernels}", kernels)
 
     return build
 

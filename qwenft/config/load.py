@@ -8,7 +8,7 @@ import re
 from typing import Any, List, Optional, Sequence
 
 from qwenft.config.base import ConfigError
-from qwenft.config.run import Config
+from qwenft.config.schema import Config
 
 
 def _unknown_keys(node: Any, schema_type: Any, prefix: str) -> List[str]:

@@ -24,12 +24,13 @@ Modules, one step each:
 - :mod:`~qwenft.data.collate`: packing in one place: :func:`packing_of` decides it from the config (the bundle
   carries it), :func:`pack` / :func:`pack_examples` build the rows, :func:`collator` gives the Trainer its
   :class:`DataCollator` (right padding, labels padded by position, packed rows, flash-attention's flat batch).
-- :mod:`~qwenft.data.command`: :func:`~qwenft.data.command.preview`, the ``python -m qwenft data`` command (a
+- :mod:`~qwenft.data.command`: :func:`~qwenft.data.command.data_command`, the ``python -m qwenft data`` command (a
   command room: it may import :mod:`qwenft.model`; the rest of this room imports only :mod:`qwenft.config`,
   :mod:`qwenft.chat`, :mod:`qwenft.files` and, for the cache directory, :mod:`qwenft.runtime`).
 """
 
-from qwenft.data.pipeline import DataBundle, build, tokenizer_fingerprint
+from qwenft.data.encode import tokenizer_fingerprint
+from qwenft.data.pipeline import DataBundle, build
 from qwenft.data.collate import DataCollator, Packing, collator, pack, pack_examples, packing_of
 from qwenft.data.formats import DataError, normalise
 from qwenft.data.mix import choose, mix_counts, split_eval

@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from qwenft.config import ConfigError, DataSource
+from qwenft.config import ConfigError, DataSource, QwenftError
+from qwenft.runtime import world_size
 
 # {{name}} or {{ name }}: an identifier only, so template code such as Go's {{.Name}} or Jinja's
 # {{ user.name }} in a code answer is not taken for a placeholder.
@@ -160,3 +161,21 @@ def eval_rows_for(source: DataSource, index: int, n_rows: int) -> Tuple[int, Opt
     more = "more than" if asked > n_rows else "all of"
     return clamped, (f"{where}: {key}={asked} is {more} its {n_rows} usable rows; clamped to {clamped} (a third), "
                      f"leaving {n_rows - clamped} rows for training; set {key}=N (at most {n_rows - 1}) to choose")
+
+
+def check_batch_feed(examples: int, batch_size: int) -> None:
+    """Check that the training examples fill one global batch: every process needs ``batch_size`` of them.
+
+    Args:
+        examples: training examples after the data build (packed sequences when packing is on).
+        batch_size: ``train.batch_size``, per process.
+
+    Raises:
+        QwenftError: fewer examples than ``world_size x train.batch_size`` under a launch of several processes
+            (accelerate would fill the batch by repeating examples, so some would weigh twice in every epoch).
+    """
+    need = world_size() * batch_size
+    if world_size() > 1 and examples < need:
+        raise QwenftError(f"{examples} training example(s) cannot feed {world_size()} processes x train.batch_size="
+                          f"{batch_size} ({need} per step; the rest would be repeats): launch fewer "
+                          "processes, lower train.batch_size or add training data")

@@ -76,7 +76,7 @@ def _context_warning(config: Config, model_dir) -> "str | None":
     return context_warning(config.data.max_seq_len, int(positions), config.model.rope_scaling)
 
 
-def preview(config: Config) -> None:
+def data_command(config: Config) -> None:
     """Build the data of ``config`` and print counts, ratio, token lengths and one masked example.
 
     Loads only the tokenizer (never model weights): rows per source, ratio achieved, token-length

@@ -60,8 +60,8 @@ def encode_batch(batch: Dict[str, list], *, tokenizer, max_seq_len: int, train_o
     The tokenizer and settings come as keyword arguments (``fn_kwargs``); a module-level function, so ``num_proc``
     workers receive it by name. ``cutter``: the run's :class:`qwenft.data.render.TemplateCache` (None: the template
     renders every row). Per row: ``input_ids``, ``labels`` (``int32 [length]`` each), ``length``, ``overflow``
-    (tokens cut), ``supervised`` (supervised tokens kept), ``prompt_len`` (see
-    :func:`qwenft.data.template.encode_many`: the same values, row for row) and ``error`` (the located DataError
+    (tokens cut), ``supervised`` (supervised tokens kept), ``prompt_len`` (the tokens before the last answer, token
+    for token :func:`qwenft.data.template.prompt_ids`; 0 for a text row) and ``error`` (the located DataError
     text, "" when none; the token columns are then empty or 0).
 
     The tokens never become per-row Python lists: the pieces' ids are laid end to end in one ``int32`` array (the

@@ -15,11 +15,10 @@ from typing import Any, Dict, List, Optional
 from qwenft.config import Config, ConfigError, DataConfig
 from qwenft.data.checks import LISTED_SKIPS, eval_rows_for, eval_share_warning, skipped_lines
 from qwenft.data.collate import Packing, pack_examples, packing_of
-from qwenft.data.encode import CACHE_VERSION, encode_batch, tokenize_rows, tokenizer_fingerprint  # noqa: F401
+from qwenft.data.encode import tokenizer_fingerprint
 from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, eval_indices, mix_counts
 from qwenft.data.source import load_source
-from qwenft.data.store import ENCODED  # noqa: F401  (the columns tokenize_rows returns)
 from qwenft.data.template import prompt_ids, trained_system
 
 log = logging.getLogger(__name__)
@@ -129,8 +128,9 @@ def _percentiles(values) -> Dict[str, int]:
 
 def _with_ids(held: List[dict], encoded, tokenizer, system_prompt: Optional[str]) -> List[dict]:
     """The held-out rows with their tokens (see :class:`DataBundle` ``eval_rows``), from ``encoded``, their
-    :func:`tokenize_rows` result (one row each, in order). A conversation's prompt is its tokens before the last
-    answer; only where those were cut (``max_seq_len``) or the row could not be encoded is it tokenized again."""
+    :func:`qwenft.data.encode.tokenize_rows` result (one row each, in order). A conversation's prompt is its tokens
+    before the last answer; only where those were cut (``max_seq_len``) or the row could not be encoded is it
+    tokenized again."""
     out = []
     columns = (encoded[name] for name in ("row", "input_ids", "labels", "prompt_len", "error"))
     for row, (number, ids, labels, prompt_len, error) in zip(held, zip(*columns)):
@@ -203,6 +203,18 @@ def build(config: Config, tokenizer) -> DataBundle:
         DataError: bad data (see :func:`qwenft.data.read_source`), a row with no supervised token (unless
             ``on_bad_row=skip``; the first such row in the file, held out or not), a weighted source left with no
             rows.
+
+    Example:
+        The project's general data (run from a checkout), 8 rows held out, for the tiny-random model:
+
+        >>> from qwenft.config import Config, DataConfig, DataSource, TinyModelConfig
+        >>> from qwenft.model import load_tokenizer
+        >>> from qwenft.model.tiny import tiny_model_dir
+        >>> tokenizer = load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
+        >>> source = DataSource(name="general", path="data/general.jsonl", eval_rows=8)
+        >>> bundle = build(Config(data=DataConfig(sources=[source])), tokenizer)
+        >>> bundle.stats["train_examples"], len(bundle.eval_rows["general"])
+        (105, 8)
     """
     import datasets
     import numpy as np

@@ -19,7 +19,7 @@ splits anyway); the tests check this on the real Qwen tokenizer.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from qwenft.chat import END_OF_TEXT, IM_END
 from qwenft.data.formats import CHATML_SPECIALS, DataError
@@ -263,53 +263,3 @@ def prompt_ids(tokenizer, messages: Sequence[Dict[str, str]], system_prompt: Opt
         messages = messages[:-1]
     text = _render(tokenizer, with_system(messages, system_prompt), True)
     return _tokenize(tokenizer, [text])[0]
-
-
-def encode_many(tokenizer, items: Sequence[Tuple[Sequence[Dict[str, str]], Optional[str]]], *,
-                max_seq_len: int, train_on: str, system_prompt: Optional[str],
-                cutter: Callable[..., Tuple[Segments, int]] = cut) -> List[object]:
-    """Encode a batch of ``(messages, text)`` items with one tokenizer call (the fast tokenizer batches).
-
-    Args:
-        items: a conversation ``[{role, content}]`` with ``text`` None, or ``text`` (its messages unused).
-        cutter: ``(tokenizer, messages, train_on) -> (pieces, prompt_chars)`` as :func:`cut` (the default), e.g. a
-            :class:`qwenft.data.render.TemplateCache` that renders each message shape once.
-
-    Returns:
-        One entry per item: the :func:`encode_example` / :func:`encode_text` dict plus ``prompt_len``, the number
-        of tokens before the last answer (its generation prompt, token for token :func:`prompt_ids`; 0 for
-        text), or the DataError it raised.
-    """
-    plans: List[object] = []
-    texts: List[str] = []
-    for messages, text in items:
-        try:
-            pieces, prompt_chars = (([(text, True)], 0) if text is not None
-                                    else cutter(tokenizer, with_system(messages or [], system_prompt), train_on))
-        except DataError as exc:
-            plans.append(exc)
-            continue
-        plans.append((len(texts), pieces, prompt_chars, text is not None))
-        texts.extend(t for t, _ in pieces)
-    ids = _tokenize(tokenizer, texts)
-    eos = end_of_text_id(tokenizer)
-    out: List[object] = []
-    for plan in plans:
-        if isinstance(plan, DataError):
-            out.append(plan)
-            continue
-        start, pieces, prompt_chars, is_text = plan
-        piece_ids = ids[start: start + len(pieces)]
-        if is_text:
-            piece_ids = [piece_ids[0] + [eos]]
-        example = assemble(piece_ids, [f for _, f in pieces], max_seq_len)
-        if example["overflow"] == 0 and example["supervised"] == 0:
-            out.append(DataError("no supervised tokens"))
-            continue
-        chars = prompt_len = 0
-        for (text, _), tokens in zip(pieces, piece_ids):  # the prompt ends on a piece boundary
-            if chars >= prompt_chars:
-                break
-            chars, prompt_len = chars + len(text), prompt_len + len(tokens)
-        out.append({**example, "prompt_len": prompt_len})
-    return out

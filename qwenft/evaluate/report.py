@@ -125,18 +125,19 @@ def adapter_line(config: Config, adapter_dir: Path) -> str:
     quantization from qwenft's ``qwenft.json``; ``config.lora`` / ``config.model`` / ``config.quant`` fill in
     only what neither file holds (an adapter written by another tool).
     """
-    peft = _json_file(adapter_dir / "adapter_config.json")
-    meta = _json_file(adapter_dir / "qwenft.json")
-    lora = meta.get("lora") if isinstance(meta.get("lora"), dict) else {}
-    r = peft.get("r", lora.get("r", config.lora.r))
-    alpha = peft.get("lora_alpha", lora.get("lora_alpha", config.lora.lora_alpha))
-    targets = peft.get("target_modules", lora.get("target_modules", config.lora.target_modules))
+    from qwenft.model.adapter import recorded_lora
+    from qwenft.model.vllm_lora import read_adapter_config
+
+    lora = {"r": config.lora.r, "lora_alpha": config.lora.lora_alpha, "target_modules": config.lora.target_modules,
+            **recorded_lora(adapter_dir)}
+    targets = lora["target_modules"]
     targets = ",".join(sorted(targets)) if isinstance(targets, (list, tuple)) else str(targets)
+    meta = _json_file(adapter_dir / "qwenft.json")
     model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     quant = meta.get("quant") if isinstance(meta.get("quant"), dict) else {}
-    base = model.get("name") or peft.get("base_model_name_or_path") or config.model.name
+    base = model.get("name") or read_adapter_config(adapter_dir).get("base_model_name_or_path") or config.model.name
     trained = f"; trained on `{base}`" + (f" with quant={quant['method']}" if quant.get("method") else "")
-    return f"- LoRA: r={r}, lora_alpha={alpha}, targets={targets}{trained}"
+    return f"- LoRA: r={lora['r']}, lora_alpha={lora['lora_alpha']}, targets={targets}{trained}"
 
 
 def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path],
@@ -164,8 +165,8 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
                          f"trained on {trained}")
     else:
         lines += ["- adapter: none (the base model alone)"]
-    if metrics.get("memory"):  # each phase's peak (qwenft.runtime.peak_memory)
-        from qwenft.runtime import describe_peaks
+    if metrics.get("memory"):  # each phase's peak (qwenft.memory.peak_memory)
+        from qwenft.memory import describe_peaks
 
         lines.append(describe_peaks(metrics["memory"]))
     lines += [f"- sampler for evaluation: preset `{config.eval.generate}`", ""]

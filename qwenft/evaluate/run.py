@@ -14,31 +14,25 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import OmegaConf
-
 from qwenft.config import Config, ConfigError, GenerateConfig
 from qwenft.evaluate.metrics import distinct_n, score
 from qwenft.evaluate.perplexity import label_rows, score_rows, window_rows
-from qwenft.resources import conf_dir
 
 log = logging.getLogger(__name__)
 
-GENERATE_PRESETS = conf_dir() / "generate"  # the sampler presets, from a checkout or an installed wheel
-
 
 def generate_preset(config: Config) -> GenerateConfig:
-    """The sampler settings for evaluation: the ``eval.generate`` preset, then ``eval.max_new_tokens``; the
-    decoding engine's settings (``static_cache``, ``compile``, ``fold_lora``) from the ``generate`` section.
+    """The sampler settings for evaluation: the ``eval.generate`` preset (``config.generate_presets``, every
+    conf/generate preset, composed by Hydra), then ``eval.max_new_tokens``; the decoding engine's settings
+    (``static_cache``, ``compile``, ``fold_lora``) from the ``generate`` section.
 
     Raises:
-        ConfigError: no preset of that name under conf/generate/.
+        ConfigError: no preset of that name.
     """
-    path = GENERATE_PRESETS / f"{config.eval.generate}.yaml"
-    if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in GENERATE_PRESETS.glob("*.yaml")))
+    preset = config.generate_presets.get(config.eval.generate)
+    if preset is None:
+        names = ", ".join(sorted(config.generate_presets))
         raise ConfigError(f"eval.generate={config.eval.generate!r} is not accepted; choose one of: {names}")
-    merged = OmegaConf.merge(OmegaConf.structured(GenerateConfig), OmegaConf.load(path))
-    preset = OmegaConf.to_object(merged)
     if config.eval.max_new_tokens is not None:
         preset = dataclasses.replace(preset, max_new_tokens=config.eval.max_new_tokens)
     engine = config.generate
@@ -233,45 +227,37 @@ def _weights_dtype(model) -> str:
     return str(weight.dtype) if weight is not None else "unknown"
 
 
-def run_after_train(config: Config, model, tokenizer, bundle, benchmarks=None) -> Dict[str, Any]:
-    """Evaluate base (adapter off) and tuned (adapter on) and write metrics.json, generations.jsonl, report.md;
-    the evaluation's peak memory (:func:`qwenft.runtime.peak_memory`) goes into metrics.json's ``memory.eval``."""
-    from qwenft.evaluate.report import write_outputs
-    from qwenft.runtime import peak_memory
+def check_settings(config: Config) -> list:
+    """Refuse a bad evaluation setting before any model loads (``train`` checks it before training, ``eval`` before
+    it loads): the sampler preset, the perplexity sources, the benchmarks' names, files and rows.
 
-    with peak_memory(str(next(model.parameters()).device)) as memory:
-        report = evaluate(model, tokenizer, config, bundle, ["base", "tuned"], benchmarks)
-    report["memory"] = {"eval": memory}
-    return write_outputs(config, Path(config.out_dir), report)
+    Returns:
+        The benchmarks' chosen questions (:func:`qwenft.evaluate.bench_tasks.prepare`), read once.
 
-
-def eval_command(config: Config) -> None:
-    """``qwenft eval [adapter=PATH]``: evaluate the base, and the tuned model when an adapter is given."""
-    from qwenft import data as data_lib
-    from qwenft.evaluate.report import write_outputs
-    from qwenft.model import load_tokenizer, resolve_model_dir
-    from qwenft.model.inference import load_for_inference, prepare_inference
+    Raises:
+        ConfigError: see :func:`generate_preset`, :func:`check_ppl_sources` and
+            :func:`qwenft.evaluate.bench_tasks.prepare`.
+    """
+    from qwenft.evaluate.bench_tasks import prepare as prepare_benchmarks
 
     generate_preset(config)
     check_ppl_sources(config)
-    from qwenft.evaluate.bench_tasks import prepare as prepare_benchmarks
+    return prepare_benchmarks(config)
 
-    benchmarks = prepare_benchmarks(config)  # unknown names, missing files, bad rows: refused before any load
-    config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)
-    # The data is read and checked with the tokenizer alone: bad data stops before the weights load.
-    tokenizer = load_tokenizer(resolve_model_dir(config.model),
-                               config.model.revision if config.model.source == "hub" else None)
-    bundle = data_lib.build(config, tokenizer) if config.data.sources else None
-    model, tokenizer = load_for_inference(config, tokenizer=tokenizer)  # evaluate() decides
-    sides = ["base", "tuned"] if config.adapter else ["base"]
-    from qwenft.runtime import peak_memory
 
-    with peak_memory(str(next(model.parameters()).device)) as memory:  # the same phase as after `train`
-        report = evaluate(model, tokenizer, config, bundle, sides, benchmarks)
+def evaluate_and_report(config: Config, model, tokenizer, bundle, benchmarks=None,
+                    sides=("base", "tuned")) -> Dict[str, Any]:
+    """Evaluate ``sides`` (base: adapter off; tuned: adapter on) and write metrics.json, generations.jsonl and
+    report.md into ``config.out_dir``; the evaluation's peak memory (:func:`qwenft.memory.peak_memory`) goes into
+    metrics.json's ``memory.eval``. Used after ``train`` and by ``qwenft eval``, so both measure the same phase.
+
+    Returns:
+        What metrics.json holds.
+    """
+    from qwenft.evaluate.report import write_outputs
+    from qwenft.memory import peak_memory
+
+    with peak_memory(str(next(model.parameters()).device)) as memory:
+        report = evaluate(model, tokenizer, config, bundle, list(sides), benchmarks)
     report["memory"] = {"eval": memory}
-    metrics = write_outputs(config, Path(config.out_dir), report)
-    print(f"report: {Path(config.out_dir) / 'report.md'}")
-    from qwenft.evaluate.verdict import enforce
-
-    enforce(config, metrics, Path(config.out_dir))  # GatesFailed (exit 3) with eval.fail_on_gate, all written
-
+    return write_outputs(config, Path(config.out_dir), report)

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from qwenft.model.serving import read_adapter_config, vllm_max_lora_rank, vllm_support, vllm_warning
+from qwenft.model.vllm_lora import read_adapter_config, vllm_max_lora_rank, vllm_support, vllm_warning
 
 MAX_METRIC_ROWS = 40
 
@@ -20,7 +20,7 @@ def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path
     OUT/FILE.gguf``, None without a GGUF), ``ollama`` (``ollama create NAME -f OUT/FILE.Modelfile``, when the GGUF
     record names its Modelfile), and for the adapter itself either ``adapter`` (``vllm serve BASE
     --enable-lora --lora-modules NAME=ADAPTER --max-lora-rank N``, N the smallest value vLLM accepts >= r) or
-    ``adapter_problem`` (the line saying why vLLM cannot serve it unmerged: :func:`qwenft.model.serving.vllm_support`).
+    ``adapter_problem`` (the line saying why vLLM cannot serve it unmerged: :func:`qwenft.model.vllm_lora.vllm_support`).
 
     Args:
         out: The merged directory (absolute, where ``qwenft merge`` writes it).

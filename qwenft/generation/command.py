@@ -166,7 +166,7 @@ def generate_command(config: Config) -> None:
 
     from qwenft.generation.engine import prepare_for_decoding
     from qwenft.generation.generate import Sampler, encode_prompts
-    from qwenft.model.inference import load_for_inference, prepare_inference
+    from qwenft.model.lora import load_for_inference, prepare_inference
     from qwenft.runtime import default_device
 
     config = prepare_inference(config)  # the adapter checked, and the base it was trained on (its qwenft.json)

@@ -234,15 +234,14 @@ class Engine:
 
 
 def prepare_for_decoding(model, config: Config, *, cache_len: int, prompt_len: int) -> Engine:
-    """Choose the :class:`DecodePath` for ``model`` (as :func:`qwenft.model.inference.load_for_inference`
+    """Choose the :class:`DecodePath` for ``model`` (as :func:`qwenft.model.lora.load_for_inference`
     loaded it, or just trained) and apply it: cast, dequantize, unwrap for folding.
 
     On a CPU every weight not cast or dequantized is copied into the process's own memory: the loader leaves the
     16-bit weights it did not convert (embeddings, norms, lm_head) as views into the memory-mapped safetensors file,
-    which keeps the whole file mapped, and every page of it that loading read counts in the resident set (measured on
-    the 0.5B model: 0.3-0.6 GiB more than the weights, which a model just trained, whose weights QLoRA's preparation
-    copied, does not have). The copy drops the file's pages as it goes (:func:`qwenft.runtime.release_mapped_weights`),
-    so it does not hold them and the copies at once (it did: +1.0 GiB, the peak of a later ``qwenft eval``).
+    which keeps the whole file mapped, and every page of it that loading read counts in the resident set. The copy
+    drops the file's pages as it goes (:func:`qwenft.memory.release_mapped_weights`), so it does not hold them and
+    the copies at once (docs/performance.md, "Memory on a CPU").
 
     Args:
         cache_len: tokens one row will cache (longest prompt + max_new_tokens); prompt_len: longest prompt.
@@ -252,7 +251,8 @@ def prepare_for_decoding(model, config: Config, *, cache_len: int, prompt_len: i
     """
     from qwenft.model.fold import fold_blocker, unwrap
     from qwenft.model.load import dequantize_for_inference, has_4bit_layers
-    from qwenft.runtime import release_freed_memory, release_mapped_weights, return_freed_memory_promptly, torch_dtype
+    from qwenft.runtime import torch_dtype
+    from qwenft.memory import release_freed_memory, release_mapped_weights, return_freed_memory_promptly
 
     device = next(model.parameters()).device.type
     nf4 = has_4bit_layers(model)
@@ -292,9 +292,8 @@ def contiguous_head_input(model) -> bool:
     transformers slices the positions it keeps (``hidden_states[:, -1:, :]`` under ``logits_to_keep=1``, the
     sampler's prefill) into a strided ``[batch, 1, hidden]`` view. For such a view and a weight that does not require
     grad (frozen, as in evaluation), ``torch.matmul`` does not fold the batch into one GEMM but runs a ``bmm``
-    against the weight expanded to ``[batch, hidden, vocab]``, which the CPU kernel materialises: measured on the
-    0.5B model (torch 2.13, 8 rows), 2.1 GB and ~11 s per prefill, the largest transient of the whole evaluation. The
-    copy of ``[batch, 1, hidden]`` costs nothing, and the logits are the same.
+    against the weight expanded to ``[batch, hidden, vocab]``, which the CPU kernel materialises (docs/performance.md,
+    "Memory on a CPU"). The copy of ``[batch, 1, hidden]`` costs nothing, and the logits are the same.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(head, "_qwenft_contiguous_input", False):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -213,6 +213,12 @@ class Sampler:
             QwenftError: a bad prompt; ConfigError: a bad override; ValueError: ``cache_len`` shorter than the prompt
                 width + max_new_tokens, or ``rows`` fewer than the prompts; NonFiniteLogits: the model gave NaN or
                 inf logits (:func:`~qwenft.generation.sampling.check_finite`).
+
+        Example:
+            >>> sampler = Sampler(model, tokenizer)  # model, tokenizer = qwenft.model.load_model(config, device="cpu")
+            >>> out = sampler.generate(["Hello there, how are you", "0 1"], max_new_tokens=24, do_sample=False)
+            >>> out.sequences[0].text, out.sequences[0].stop_reason
+            >>> sampler.generate(["春天来了"], chat=True, on_text=lambda row, delta: print(delta, end=""))
         """
         run = self._run(encode_prompts(self.tokenizer, prompts, chat), self.params(**overrides),
                         stream=on_text is not None, keep_logits=keep_logits, cache_len=cache_len, rows=rows,

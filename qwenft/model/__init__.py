@@ -13,7 +13,7 @@ Weights are only ever read from safetensors and ``trust_remote_code`` is never s
 Modules: :mod:`~qwenft.model.sources` (where weights come from), :mod:`~qwenft.model.load` (tokenizer, NF4 /
 16-bit base), :mod:`~qwenft.model.lora` (attach / load LoRA), :mod:`~qwenft.model.adapter` (``qwenft.json``,
 the adapter's base), :mod:`~qwenft.model.fold` (LoRA folded into 16-bit weights in memory),
-:mod:`~qwenft.model.serving` (which adapters vLLM serves unmerged), :mod:`~qwenft.model.rope`,
+:mod:`~qwenft.model.vllm_lora` (which adapters vLLM serves unmerged), :mod:`~qwenft.model.rope`,
 :mod:`~qwenft.model.tiny`. This room may import
 :mod:`qwenft.config`, :mod:`qwenft.runtime`, :mod:`qwenft.chat` and :mod:`qwenft.files`.
 """

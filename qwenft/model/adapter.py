@@ -122,6 +122,20 @@ def _data_record(config: Config, built: Dict[str, dict]) -> dict:
     return {"sources": sources, **{key: getattr(config.data, key) for key in HELD_OUT_KEYS}}
 
 
+def recorded_lora(adapter_dir) -> Dict[str, Any]:
+    """The LoRA settings an adapter directory records: peft's ``adapter_config.json`` (``r``, ``lora_alpha``,
+    ``target_modules``, ...) over the ``lora`` entry of its ``qwenft.json``; {} when neither holds them. A missing or
+    unreadable file counts as empty (an adapter written by another tool has no ``qwenft.json``)."""
+    from qwenft.model.vllm_lora import read_adapter_config
+
+    try:
+        meta = json.loads((Path(adapter_dir).expanduser() / ADAPTER_META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    lora = meta.get("lora") if isinstance(meta, dict) else None
+    return {**(lora if isinstance(lora, dict) else {}), **read_adapter_config(adapter_dir)}
+
+
 def read_adapter_meta(adapter_dir) -> Optional[dict]:
     """The ``qwenft.json`` written by :func:`save_adapter_meta`, or None when the adapter has none.
 

@@ -188,7 +188,7 @@ def dequantize_for_inference(model, qcfg: QuantConfig, device: Optional[str] = N
 
     For inference only (evaluation, generation; the model must not be trained afterwards). bitsandbytes
     dequantizes each 4-bit weight again on every forward; on a CPU that costs more than the matmul itself
-    (measured on the 0.5B model, 2 cores: greedy decode ~1.3 tokens/s in NF4 vs several times that dense).
+    (docs/performance.md, "4-bit weights at inference on a CPU").
     The new weights are ``dequantize_4bit(W)`` in the compute dtype: the same values the 4-bit layer
     multiplies by, so outputs agree up to float rounding. LoRA layers wrapping a 4-bit base keep working
     (peft calls ``base_layer(x)``). Memory grows to the dense size of those layers.

@@ -1,14 +1,20 @@
-"""LoRA: fresh adapters for training (peft, with the QLoRA preparation of a 4-bit base) and saved ones loaded."""
+"""LoRA: fresh adapters for training (peft, with the QLoRA preparation of a 4-bit base), and trained ones loaded for
+inference on the base they were trained on: the one way eval, generate, inspect, serve and merge get an adapter's
+base ready (:func:`prepare_inference`, then :func:`load_for_inference`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
+from typing import Any, Optional, Tuple
 
-from qwenft.config import LoraConfig, QwenftError
-from qwenft.model.adapter import check_adapter_dir
-from qwenft.model.load import count_parameters
+from qwenft.config import Config, LoraConfig, QwenftError
+from qwenft.kernels import apply_kernels, resolve_kernels
+from qwenft.model.adapter import check_adapter_dir, inference_config, read_adapter_meta
+from qwenft.model.load import count_parameters, load_model
+from qwenft.model.vllm_lora import read_adapter_config, vllm_support, vllm_warning
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +27,12 @@ def _peft_deprecations_quiet():
         yield
 
 
-def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, keep_dtype: bool = False):
+def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, keep_dtype: bool = False,
+                kernels: str = "none"):
     """Wrap ``model`` with fresh LoRA adapters for training (a ``peft.PeftModel``).
 
+    The base's layers are first patched with the chosen kernels (``kernels``: ``train.kernels``, resolved for the
+    model's device by :func:`qwenft.kernels.resolve_kernels`, applied by :func:`qwenft.kernels.apply_kernels`).
     A 4-bit base goes through peft's k-bit preparation (frozen base, fp32 norms, input grads), unless
     ``keep_dtype`` (sharded QLoRA, FSDP / ZeRO-3: the weights must keep the one storage dtype they are sharded
     in, so the base is only frozen, as a 16-bit one is). Gradient checkpointing is non-reentrant, so LoRA
@@ -31,7 +40,11 @@ def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, ke
 
     Returns:
         The PEFT model; trainable and total parameter counts are logged.
+
+    Raises:
+        QwenftError: ``kernels="liger"`` without a CUDA device or without liger-kernel.
     """
+    apply_kernels(model, resolve_kernels(kernels, next(model.parameters()).device.type == "cuda"))
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -77,3 +90,53 @@ def load_adapter(model, adapter_dir: str, trainable: bool = False):
         name = getattr(getattr(model, "config", None), "_name_or_path", "the loaded model")
         raise QwenftError(f"adapter={adapter_dir!r} does not fit {name}: its LoRA shapes belong to another base model; "
                           "pass the model it was trained on (model=... / model.source=... model.path=...)") from None
+
+
+def prepare_inference(config: Config) -> Config:
+    """``config`` for running an adapter: the directory checked (a typo fails before any load; a run directory
+    stands for its ``adapter/``, :func:`qwenft.model.adapter.check_adapter_dir`) and the model,
+    quantization and system prompt the adapter was trained with, except what the user typed. Without
+    ``adapter``, ``config`` as it is. For ``eval``, one warning when vLLM cannot serve the adapter unmerged
+    (:func:`qwenft.model.vllm_lora.vllm_support`).
+
+    Raises:
+        QwenftError: ``config.adapter`` is missing or holds no adapter; an unreadable ``qwenft.json``.
+    """
+    if not config.adapter:
+        return config
+    # a run directory stands for its adapter/: everything after this reads the adapter directory itself
+    config = dataclasses.replace(config, adapter=str(check_adapter_dir(config.adapter)))
+    config = inference_config(config)
+    meta = read_adapter_meta(config.adapter)
+    trained_on = (meta or {}).get("model", {}).get("name")
+    if trained_on and trained_on != config.model.name:
+        log.warning("adapter %s was trained on %s; running it on %s", config.adapter, trained_on, config.model.name)
+    elif trained_on:
+        log.info("adapter trained on %s", trained_on)
+    reasons = vllm_support(read_adapter_config(config.adapter)) if config.command == "eval" else []
+    if reasons:  # eval: said before its numbers are taken to a vLLM deployment of the adapter as it is
+        log.warning("%s", vllm_warning(config.adapter, reasons))
+    return config
+
+
+def load_for_inference(config: Config, device: Optional[str] = None, tokenizer=None) -> Tuple[Any, Any]:
+    """Base (``config.model`` / ``config.quant``, as :func:`prepare_inference` resolved them) plus the adapter
+    when ``config.adapter`` is set, in eval mode, as loaded: a 4-bit base stays 4-bit (``inspect`` traces that
+    computation; eval and generate let ``qwenft.generation.engine.prepare_for_decoding`` decide whether to
+    dequantize it, with the free GPU memory in view).
+
+    Args:
+        device: where to load (default: :func:`qwenft.runtime.default_device`).
+        tokenizer: one already loaded from the same source (e.g. to read the data before the weights).
+
+    Returns:
+        ``(model, tokenizer)``: a ``PeftModel`` when an adapter was loaded.
+
+    Raises:
+        QwenftError: see :func:`qwenft.model.load.load_model` and :func:`qwenft.model.lora.load_adapter`.
+    """
+    model, tokenizer = load_model(config, device=device, tokenizer=tokenizer)
+    if config.adapter:
+        model = load_adapter(model, config.adapter)
+    model.eval()
+    return model, tokenizer

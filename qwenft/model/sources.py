@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import List
 
-from qwenft.chat import END_OF_TEXT, IM_END
+from qwenft.chat import END_OF_TEXT, IM_END, REPETITION_PENALTY, SAMPLING_DEFAULTS
 from qwenft.config import ModelConfig, QwenftError
 from qwenft.files import publish_dir, staging_dir
 from qwenft.runtime import cache_dir
@@ -35,7 +35,7 @@ EMBEDDED_PART1_SHA256 = "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81
 
 
 # Qwen2.5 0.5B instruct sampling defaults (its generation_config.json): the GGUF carries none of them.
-EMBEDDED_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
+EMBEDDED_GENERATION = {**SAMPLING_DEFAULTS, "repetition_penalty": REPETITION_PENALTY["0.5B"]}
 
 
 MERGE_MARKER = "qwenft_merge.json"  # written by `qwenft merge` into every merged model directory

@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+from qwenft.chat import REPETITION_PENALTY, SAMPLING_DEFAULTS
 from qwenft.config import TinyModelConfig
 from qwenft.files import publish_dir, staging_dir
 
@@ -84,8 +85,7 @@ def build_model(tcfg: TinyModelConfig, tokenizer):
         torch.manual_seed(tcfg.seed)
         model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=eot, pad_token_id=eot, eos_token_id=[im_end, eot],
-                                               do_sample=True, temperature=0.7, top_p=0.8, top_k=20,
-                                               repetition_penalty=1.05)
+                                               **SAMPLING_DEFAULTS, repetition_penalty=REPETITION_PENALTY["7B"])
     return model
 
 

@@ -6,7 +6,7 @@
 - :mod:`qwenft.plan.command`: the plan as a dict, its tables, the command.
 
 A command room: it may import :mod:`qwenft.kernels`, :mod:`qwenft.runtime`, :mod:`qwenft.model.rope`,
-:mod:`qwenft.files`, :mod:`qwenft.resources` and :mod:`qwenft.config`; it never loads weights (nor imports torch on
+:mod:`qwenft.files` and :mod:`qwenft.config`; it never loads weights (nor imports torch on
 its own path).
 """
 

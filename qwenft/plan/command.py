@@ -97,6 +97,13 @@ def make_plan(config: Config) -> Dict[str, Any]:
 
     Raises:
         QwenftError: the architecture cannot be read (see :func:`qwenft.plan.arch.resolve_architecture`).
+
+    Example:
+        >>> from qwenft.cli.compose import register_resolvers, validate
+        >>> register_resolvers()
+        >>> config = validate("plan", ["model=qwen2.5-7b-instruct", "lora.r=64", "plan.gpu_gb=24"])[0]
+        >>> plan = make_plan(config)
+        >>> plan["budget"]["fits"], plan["budget"]["peak"], plan["evaluation"]["peak"]
     """
     from qwenft.model.rope import context_warning, original_positions, scaled_positions
 

@@ -28,11 +28,8 @@ from qwenft.config import Config
 from qwenft.plan.arch import Architecture, lora_parameter_count, projection_shapes
 from qwenft.plan.memory import kv_cache_bytes, weight_bytes
 
-# Resident set of a `qwenft eval` process on a CPU before its model loads: Python 3.11 with torch 2.13 (CPU build),
-# transformers 5.24, peft, bitsandbytes, datasets and qwenft's evaluation and sampler modules imported, Qwen2.5's
-# tokenizer loaded and the domain recipe's data read (265 rows of ~700 tokens). Measured (VmRSS of that process,
-# 2026-12-01, Debian 12 x86-64): 626 MiB; 30 MiB of it is the interpreter with the config composed, 448 MiB the
-# tokenizer and data stack, 148 MiB the model libraries. Rounded to 640 MiB.
+# Resident set of a `qwenft eval` process on a CPU before its model loads: measured 626 MiB, rounded to 640 MiB
+# (docs/performance.md, "Memory on a CPU").
 CPU_BASELINE_BYTES = 640 << 20
 BENCH_TOKENS = 1024  # a 5-shot benchmark prompt (MMLU, C-Eval, GSM8K) fits in about this many tokens
 CPU_BATCH = 8  # eval.batch_size=auto on a CPU (read by qwenft.generation.engine; decode there is compute bound)
@@ -64,16 +61,11 @@ def chunk_logits_bytes(arch: Architecture, rows: int, c: int) -> int:
 
 
 def _max_new_tokens(config: Config) -> int:
-    """``eval.max_new_tokens``, else the ``eval.generate`` preset's (conf/generate/NAME.yaml), else 256."""
+    """``eval.max_new_tokens``, else the ``eval.generate`` preset's (composed into ``generate_presets``), else 256."""
     if config.eval.max_new_tokens is not None:
         return config.eval.max_new_tokens
-    from omegaconf import OmegaConf
-
-    from qwenft.resources import conf_dir
-
-    path = conf_dir() / "generate" / f"{config.eval.generate}.yaml"
-    value = OmegaConf.load(path).get("max_new_tokens") if path.is_file() else None
-    return int(value) if value else 256
+    preset = config.generate_presets.get(config.eval.generate)
+    return preset.max_new_tokens if preset is not None and preset.max_new_tokens else 256
 
 
 def evaluation_memory(arch: Architecture, config: Config, device: str, compute_bytes: int, model_bytes: int,

@@ -78,26 +78,32 @@ def inference_settings(config: Config) -> Config:
 
 def load_served(config: Config):
     """Load the model of a validated ``serve`` config and prepare it for decoding: the base plus the adapter
-    (:func:`qwenft.model.inference.load_for_inference`), on the path ``qwenft generate`` takes
+    (:func:`qwenft.model.lora.load_for_inference`), on the path ``qwenft generate`` takes
     (:func:`qwenft.generation.engine.prepare_for_decoding`), with :func:`inference_settings`.
 
     Returns:
-        A :class:`qwenft.serve.app.Served`.
+        A :class:`qwenft.serve.state.Served`.
 
     Raises:
-        QwenftError: see :func:`qwenft.model.inference.prepare_inference`.
+        QwenftError: ``generate.compile=true`` off CUDA (:func:`qwenft.generation.generate.check_supported`); a
+            missing adapter (:func:`qwenft.model.lora.prepare_inference`); both before anything loads.
     """
     from qwenft.generation.engine import prepare_for_decoding
-    from qwenft.model.inference import load_for_inference, prepare_inference
+    from qwenft.generation.generate import check_supported
+    from qwenft.model.lora import load_for_inference, prepare_inference
     from qwenft.runtime import default_device
-    from qwenft.serve.app import Served
+    from qwenft.serve.state import Served
 
-    config = prepare_inference(inference_settings(config))
+    config = inference_settings(config)
+    tuned = tuned_name(config)  # RUN and RUN/adapter name the same run
+    check_supported(config.generate)
+    config = prepare_inference(config)  # the adapter directory checked first, before anything loads
     model, tokenizer = load_for_inference(config, device=default_device())
     scfg = config.serve
     engine = prepare_for_decoding(model, config, cache_len=scfg.max_prompt_tokens + scfg.max_tokens,
                                   prompt_len=scfg.max_prompt_tokens)
-    return Served(engine=engine, tokenizer=tokenizer, config=config, tuned=tuned_name(config))
+    return Served(engine=engine, tokenizer=tokenizer, config=config, settings=engine.settings(config.generate),
+                  tuned=tuned)
 
 
 def _server_class():
@@ -130,19 +136,16 @@ def serve_command(config: Config) -> None:
             all before the model is loaded.
     """
     check_packages()
-    from qwenft.generation.generate import check_supported
-    from qwenft.model.adapter import check_adapter_dir
-
-    check_supported(inference_settings(config).generate)
-    if config.adapter:
-        check_adapter_dir(config.adapter)
     sock = bind(config.serve.host, config.serve.port)  # a taken port fails before minutes of loading
+    try:
+        import uvicorn
 
-    import uvicorn
+        from qwenft.serve.app import create_app
 
-    from qwenft.serve.app import create_app
-
-    served = load_served(config)
+        served = load_served(config)
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(served)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -10,7 +10,7 @@ envelope, so no user input reaches the default 500 handler.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,25 @@ def model_fault(exc: BaseException) -> APIError:
         return APIError(500, f"model fault: {exc}", code="non_finite_logits")
     log.error("the sampler failed", exc_info=exc)
     return APIError(500, f"model fault: {type(exc).__name__}: {exc}", code="model_error")
+
+
+def shutting_down() -> APIError:
+    """The 503 for a request the server can no longer answer: it is shutting down."""
+    return APIError(503, "the server is shutting down", code="shutting_down")
+
+
+def model_not_found(name: str, served: Sequence[str]) -> APIError:
+    """The 404 for a model id ``name`` that is not among the ``served`` ids."""
+    return APIError(404, f"model '{name}' does not exist; served: {', '.join(served)}", param="model",
+                    code="model_not_found")
+
+
+def job_failure(exc: BaseException) -> APIError:
+    """The answer for a queued request that failed with ``exc``: :func:`shutting_down` when the server stopped it
+    (:class:`~qwenft.serve.scheduler.Stopping`), else :func:`model_fault`."""
+    from qwenft.serve.scheduler import Stopping
+
+    return shutting_down() if isinstance(exc, Stopping) else model_fault(exc)
 
 
 def validation_error(errors) -> APIError:

@@ -14,9 +14,9 @@ reproduces its answer. The queue holds at most ``serve.max_queue`` waiting reque
 leaves the queue at once (counted ``abort``), a running row ends after its next token, and a batch whose rows all
 ended stops decoding.
 
-Events go from the worker thread to the request's asyncio queue with ``call_soon_threadsafe``: ``("delta", text,
-tokens)``, then ``("done", SequenceResult, tokens)`` or ``("error", exception)``; ``tokens`` lists the
-``(id, entropy, logprobs)`` generated since the previous event.
+Events go from the worker thread to the request's asyncio queue with ``call_soon_threadsafe``: :class:`Delta`
+events, then one :class:`Done` or :class:`Failed`; ``tokens`` lists each :class:`Token` generated since the previous
+event.
 """
 
 from __future__ import annotations
@@ -28,14 +28,49 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from qwenft.generation.params import SamplingParams
-from qwenft.generation.results import RowControl
+from qwenft.generation.results import RowControl, SequenceResult
 
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()
+
+
+class Token(NamedTuple):
+    """One generated token: its id, the entropy (nats) of the distribution it was drawn from, and
+    ``(its logprob, [(id, logprob)] of the k most likely)`` when its request asked for logprobs (else None)."""
+
+    id: int
+    entropy: float
+    logprobs: Optional[Tuple[float, Sequence[Tuple[int, float]]]]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text the request's answer grew by, and the tokens generated since the previous event."""
+
+    text: str
+    tokens: List[Token]
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request's finished sequence, and the tokens generated since the previous event (the last event)."""
+
+    result: SequenceResult
+    tokens: List[Token]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ends without an answer: ``error`` is :class:`Stopping` or what the model raised (the last event)."""
+
+    error: BaseException
+
+
+Event = Union[Delta, Done, Failed]
 
 
 class QueueFull(Exception):
@@ -63,11 +98,11 @@ class Job:
     overrides: Dict[str, Any]
     params: SamplingParams
     logprobs: int
-    emit: Callable[[tuple], None]
+    emit: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     number: int = field(default_factory=lambda: next(_ids))
-    pending: list = field(default_factory=list)
+    pending: List[Token] = field(default_factory=list)
     first_at: Optional[float] = None
     last_at: Optional[float] = None
     generated: int = 0
@@ -100,7 +135,7 @@ class _BatchControl(RowControl):
         self.metrics.entropy.labels(label).observe(entropy)
         if logprobs is not None:
             logprobs = (logprobs[0], logprobs[1][:max(job.logprobs, 0)])
-        job.pending.append((token, entropy, logprobs if job.logprobs >= 0 else None))
+        job.pending.append(Token(token, entropy, logprobs if job.logprobs >= 0 else None))
         job.generated += 1
         if job.generated > self.longest:  # the cache grew by one position (every row holds the same length)
             self.longest = job.generated
@@ -205,7 +240,7 @@ class Scheduler:
                 job.cancelled.set()
             self._cond.notify_all()
         for job in waiting:
-            job.emit(("error", Stopping()))
+            job.emit(Failed(Stopping()))
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -258,14 +293,14 @@ class Scheduler:
 
         def on_text(row: int, delta: str) -> None:
             job = jobs[row]
-            job.emit(("delta", delta, job.pending))
+            job.emit(Delta(delta, job.pending))
             job.pending = []
 
         try:
             out = self._run_batch(side, [j.prompt for j in jobs], overrides, on_text, control)
         except Exception as exc:  # a model fault: every request of the batch is answered with it
             for job in jobs:
-                job.emit(("error", exc))
+                job.emit(Failed(exc))
             return
         finally:
             self.metrics.running.labels(label).set(0)
@@ -276,7 +311,7 @@ class Scheduler:
             self.metrics.request_success.labels(label, reason).inc()
             self.metrics.prompt_tokens.labels(label).inc(seq.prompt_tokens)
             self.metrics.e2e.labels(label).observe(now - job.arrived)
-            job.emit(("done", seq, job.pending))
+            job.emit(Done(seq, job.pending))
             job.pending = []
         if out.stats.decode_tokens:
             self.metrics.decode_tps.labels(label).set(out.stats.decode_tokens_per_s)

@@ -14,7 +14,7 @@ accelerate, runs DDP, FSDP or DeepSpeed from the TrainingArguments this module f
   (:class:`qwenft.train.callbacks.AtomicCheckpoints`);
 - environment problems (a missing deepspeed or flash-attn package, nccl without a GPU, no distributed launch)
   stop the run with one line before anything is written (:func:`preflight`); too few training examples for the
-  processes' batches stop it after the data build (:func:`check_batch_feed`).
+  processes' batches stop it after the data build (:func:`qwenft.data.checks.check_batch_feed`).
 
 Process control is accelerate's ``PartialState`` (the process group, barriers, main-process-first, broadcast,
 reduce), the object the Trainer itself uses; it is created only under a launch of several processes (in one

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from transformers import Trainer
@@ -23,20 +24,41 @@ class NonFiniteError(QwenftError):
     """The loss or a gradient became NaN/inf; the run stops, the last good checkpoint stays."""
 
 
-def _precision(config: Config, model) -> Dict[str, bool]:
-    """The TrainingArguments' ``bf16`` / ``fp16`` flags (:func:`qwenft.runtime.resolve_precision`)."""
+def _precision_and_optim(config: Config, model) -> Tuple[Dict[str, bool], str]:
+    """The TrainingArguments' ``bf16`` / ``fp16`` flags (:func:`qwenft.runtime.resolve_precision`) and ``optim``
+    (:func:`qwenft.runtime.resolve_optim`) for the device ``model`` is on.
+
+    Raises:
+        ConfigError: ``train.precision=fp16`` without a CUDA device.
+    """
     import torch
 
-    from qwenft.runtime import native_bf16, resolve_dtype, resolve_precision
+    from qwenft.runtime import native_bf16, resolve_dtype, resolve_optim, resolve_precision
 
     device = str(next(model.parameters()).device)
     compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
     choice = resolve_precision(config.train.precision, resolve_dtype(compute, device), native_bf16(device))
+    optim = resolve_optim(config.train.optim, config.dist.strategy, torch.cuda.is_available())
     if choice == "fp16":
         if not torch.cuda.is_available():
             raise ConfigError("train.precision='fp16' needs a CUDA device; use bf16 or fp32 on a CPU")
         log.warning("fp16 training can overflow on Qwen2 (NaN loss); bf16 is preferred where supported")
-    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}, optim
+
+def wandb_env(config: Config) -> None:
+    """W&B logs offline unless the user is logged in or set WANDB_MODE; files go into the run directory (the
+    Trainer's W&B callback starts a run on rank 0 only)."""
+    os.environ.setdefault("WANDB_PROJECT", config.wandb.project)
+    os.environ.setdefault("WANDB_DIR", config.out_dir)
+    if config.wandb.entity:
+        os.environ.setdefault("WANDB_ENTITY", config.wandb.entity)
+    if config.wandb.mode:
+        os.environ["WANDB_MODE"] = config.wandb.mode
+    elif "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+        netrc = Path.home() / ".netrc"
+        if not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")):
+            os.environ["WANDB_MODE"] = "offline"
+
 
 
 def _optim(config: Config) -> str:
@@ -60,6 +82,8 @@ def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bo
     from qwenft.train.callbacks import staging_root
     from qwenft.train.dist import training_kwargs
 
+    distributed = training_kwargs(config, _on_cuda(model))
+    precision, optim = _precision_and_optim(config, model)
     t = config.train
     if t.warmup_ratio > 0 and 0 < t.max_steps <= math.ceil(t.warmup_ratio * t.max_steps):
         log.warning("train.max_steps=%d with train.warmup_ratio=%g: every step is warmup, and the learning rate is 0 "
@@ -70,15 +94,14 @@ def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bo
         learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,  # < 1: a ratio
         num_train_epochs=t.epochs, max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.grad_accum,
-        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, optim=_optim(config),
+        max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, optim=optim,
         seed=t.seed, data_seed=t.seed, save_strategy="steps", save_steps=t.save_steps,
         save_total_limit=t.save_total_limit, eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
         logging_strategy="steps", logging_steps=t.logging_steps, logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN must be seen (and stop the run), never averaged away
         neftune_noise_alpha=t.neftune_noise_alpha, report_to=["wandb"] if config.logger == "wandb" else [],
         remove_unused_columns=False, label_names=["labels"], activation_checkpointing=False,  # set up in attach_lora
-        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **_precision(config, model),
-        **training_kwargs(config, _on_cuda(model)))
+        dataloader_num_workers=0, use_cpu=not _on_cuda(model), disable_tqdm=True, **precision, **distributed)
 
 
 def torch_dtype_of(args):
@@ -111,24 +134,32 @@ def _on_cuda(model) -> bool:
     return next(model.parameters()).device.type == "cuda"
 
 
-def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path):
+def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path, kernels: str):
     """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator (as the bundle's packing says) and
-    callbacks."""
+    callbacks.
+
+    Args:
+        kernels: the layer kernels ``model`` was patched with (``train.kernels`` resolved by
+            :func:`qwenft.kernels.resolve_kernels`, as :func:`qwenft.model.attach_lora` applied them): ``liger``
+            computes the loss with Liger's fused linear cross-entropy, ``none`` with qwenft's chunked loss.
+    """
     from qwenft.data import collator
-    from qwenft.kernels import resolve_kernels
     from qwenft.train.callbacks import AtomicCheckpoints, ProgressBarCallback
     from qwenft.train.trainer import QwenftTrainer
 
+    if config.logger == "wandb":
+        wandb_env(config)
     has_eval = bundle.eval is not None and len(bundle.eval) > 0
+    checkpoints = AtomicCheckpoints(checkpoint_dir, config, bundle.stats)
     args = training_arguments(config, model, checkpoint_dir, has_eval)
     if args.bf16 or args.fp16:
         head_to_autocast_dtype(model, torch_dtype_of(args))
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
                             eval_dataset=bundle.eval if has_eval else None, data_collator=collator(bundle, tokenizer))
-    trainer.add_callback(AtomicCheckpoints(checkpoint_dir, config, bundle.stats))
+    trainer.add_callback(checkpoints)
     trainer.add_callback(ProgressBarCallback())
     trainer.checkpoint_dir = str(checkpoint_dir)
-    trainer.kernels = resolve_kernels(config.train.kernels, _on_cuda(model))
+    trainer.kernels = kernels
     return trainer
 
 

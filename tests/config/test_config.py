@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from qwenft.hydra_app import available_recipes, validate
+from qwenft.cli.compose import validate
+from qwenft.resources import available_recipes
 from qwenft.config import ALL_TARGETS, ConfigError
-from qwenft.hydra_app import register_resolvers
+from qwenft.cli.compose import register_resolvers
 from tests.conftest import ROOT, compose_config, qwenft_in_process, run_qwenft
 
 
@@ -102,9 +103,9 @@ def test_every_help_key_is_a_config_key():
     """Each command's --help lists keys of the config (no drift), with their composed values."""
     from omegaconf import OmegaConf
 
-    from qwenft.cli import COMMAND_TABLE
+    from qwenft.cli.dispatch import COMMAND_TABLE
     from qwenft.config import COMMANDS
-    from qwenft.usage import COMMAND_KEYS, _values, command_help
+    from qwenft.cli.usage import COMMAND_KEYS, _values, command_help
 
     assert set(COMMAND_KEYS) == set(COMMANDS)
     base = OmegaConf.structured(compose_config())
@@ -139,7 +140,7 @@ def test_cli_unknown_command():
 
 
 def test_free_text_and_list_overrides_are_rewritten_for_hydra():
-    from qwenft.hydra_app import free_form
+    from qwenft.cli.overrides import free_form
 
     assert free_form(["prompt=春天", "prompt=it's a, b", 'prompt="x"']) == [
         "prompt='春天'", "prompt='it\\'s a, b'", 'prompt="x"']
@@ -164,7 +165,7 @@ def test_free_text_and_list_overrides_are_rewritten_for_hydra():
                                   "q=1, r=2"])
 def test_free_text_composes_back_to_exactly_what_was_typed(text):
     """prompt= and data.system_prompt= are literal: no interpolation, backslashes and quotes as typed."""
-    from qwenft.hydra_app import free_form
+    from qwenft.cli.overrides import free_form
 
     config = compose_config(*free_form([f"prompt={text}", f"data.system_prompt={text}"]), command="generate")
     assert config.prompt == text and config.data.system_prompt == text
@@ -205,7 +206,7 @@ def test_hydra_lexer_failures_are_told_by_hydra_1_3_wording():
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from qwenft.hydra_app import lexer_refused
+    from qwenft.cli.overrides import lexer_refused
 
     def refusal(override):
         with pytest.raises(OverrideParseException) as info:
@@ -246,7 +247,7 @@ def test_the_multirun_grid_is_hydras_job_order(overrides):
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from qwenft.hydra_app import sweep_grid
+    from qwenft.cli.overrides import sweep_grid
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     (hydra_jobs,) = BasicSweeper.split_arguments(parsed, None)
@@ -272,3 +273,27 @@ def test_an_override_the_shell_split_gets_the_quoting_hint(capsys):
         assert info.value.code == 2
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.endswith(f"quote it whole: {quoted}") and line.startswith("qwenft: error: ")
+
+
+def test_eval_picks_its_sampler_from_every_composed_preset():
+    """conf/config.yaml composes every conf/generate preset into ``generate_presets`` (each as the file on the
+    schema's defaults): ``eval.generate=NAME`` picks one without reading a file; an unknown name lists them."""
+    from omegaconf import OmegaConf
+
+    from qwenft.config import GenerateConfig
+    from qwenft.evaluate.run import generate_preset
+    from qwenft.resources import conf_dir
+
+    files = sorted((conf_dir() / "generate").glob("*.yaml"))
+    config = compose_config("eval.generate=creative", "eval.max_new_tokens=9", "generate.static_cache=true")
+    assert sorted(config.generate_presets) == [path.stem for path in files]
+    for path in files:
+        on_defaults = OmegaConf.merge(OmegaConf.structured(GenerateConfig), OmegaConf.load(path))
+        assert config.generate_presets[path.stem] == OmegaConf.to_object(on_defaults), path.name
+    settings = generate_preset(config)
+    assert settings.temperature == config.generate_presets["creative"].temperature and settings.max_new_tokens == 9
+    assert settings.static_cache and not config.generate_presets["creative"].static_cache
+    with pytest.raises(ConfigError) as caught:
+        generate_preset(compose_config("eval.generate=greedy"))
+    names = ", ".join(path.stem for path in files)
+    assert str(caught.value) == f"eval.generate='greedy' is not accepted; choose one of: {names}"

@@ -186,7 +186,7 @@ def test_hugging_face_dataset_id_goes_through_load_dataset(monkeypatch):
 def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
     """The messages travel as a typed column (every turn exactly {role, content}, whatever keys a row's dicts had),
     the tokenizer through ``fn_kwargs``: one process, two processes and encode_example give the same tokens."""
-    from qwenft.data import pipeline
+    from qwenft.data import encode, pipeline, store
 
     assert not hasattr(pipeline, "_TOKENIZERS")  # no process-global registry
     chats = [[{"role": "user", "content": f"q {i}", "_field": "messages[0].content"},
@@ -199,8 +199,8 @@ def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
         results = []
         for num_proc in (1, 2):
             dcfg = DataConfig(cache=False, num_proc=num_proc, system_prompt="Sys.")
-            encoded, hit = pipeline.tokenize_rows(rows, tokenizer, dcfg, source, "line", "key", "train")
-            assert not hit and encoded.column_names == pipeline.ENCODED and encoded["row"] == list(range(1, 8))
+            encoded, hit = encode.tokenize_rows(rows, tokenizer, dcfg, source, "line", "key", "train")
+            assert not hit and encoded.column_names == store.ENCODED and encoded["row"] == list(range(1, 8))
             results.append(encoded[:])
         assert results[0] == results[1] and set(results[0]["error"]) == {""}
         for i, messages in enumerate(chats):
@@ -211,7 +211,7 @@ def test_rows_go_to_map_typed_and_the_tokenizer_as_an_argument(tiny, qwen):
             assert results[0]["input_ids"][i][:results[0]["prompt_len"][i]] == prompt
         assert results[0]["input_ids"][6] == encode_text(tokenizer, "plain text", max_seq_len=1024)["input_ids"]
         assert results[0]["prompt_len"][6] == 0
-    only_text, _ = pipeline.tokenize_rows(rows[6:], tiny, DataConfig(cache=False), source, "line", "key", "train")
+    only_text, _ = encode.tokenize_rows(rows[6:], tiny, DataConfig(cache=False), source, "line", "key", "train")
     assert only_text["input_ids"] == [encode_text(tiny, "plain text", max_seq_len=1024)["input_ids"]]
 
 
@@ -247,16 +247,16 @@ def test_a_cache_miss_writes_memory_mapped_shards_and_a_hit_reads_nothing(tiny, 
 def test_a_tokenization_killed_after_a_shard_resumes_with_the_same_ids(tiny, tmp_path, monkeypatch):
     """Shards are written under a temporary name and renamed; a run that dies after its first shard leaves that
     shard, the rerun tokenizes only the others, and the ids equal an uninterrupted run's (another cache)."""
-    from qwenft.data import encode, pipeline, store
+    from qwenft.data import encode, store
 
     monkeypatch.setattr(store, "SHARD_ROWS", 4)
     rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}],
             "text": None, "row": i + 1} for i in range(10)]
     source, dcfg = DataSource(name="s", path="s.jsonl"), DataConfig(cache=True)
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "clean"))
-    clean, _ = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    clean, _ = encode.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "killed"))
-    real, calls, dying = pipeline.encode_batch, [], [True]
+    real, calls, dying = encode.encode_batch, [], [True]
 
     def dies_on_the_second_shard(batch, **kwargs):
         calls.append(batch["row"][0])
@@ -266,14 +266,14 @@ def test_a_tokenization_killed_after_a_shard_resumes_with_the_same_ids(tiny, tmp
 
     monkeypatch.setattr(encode, "encode_batch", dies_on_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
-        pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+        encode.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
     (entry,) = [p for p in (tmp_path / "killed" / "data").iterdir() if p.is_dir()]
     assert not store.complete(entry) and [e["shards_done"] for e in store.entries()] == [1]
     for left in (".00001.4242.tmp.arrow", ".00001.4242.input.arrow", "tmpx1y2"):  # what a SIGKILL leaves
         (entry / "shards" / left).write_bytes(b"half")
     calls.clear()
     dying[0] = False
-    resumed, hit = pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    resumed, hit = encode.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
     assert not hit and calls == [5, 9] and store.complete(entry)  # shards 2 and 3 only
     assert sorted(p.name for p in (entry / "shards").iterdir()) == [  # no temporary file left
         f"0000{k}{suffix}" for k in range(3) for suffix in ("-0.arrow", ".json")]
@@ -931,7 +931,7 @@ def test_a_shard_is_tokenized_while_the_next_is_read_and_its_error_comes_first(t
     before a later read error (file order), and nothing half-written is left."""
     import threading
 
-    from qwenft.data import encode, pipeline, store
+    from qwenft.data import encode, store
 
     monkeypatch.setattr(store, "SHARD_ROWS", 4)
     monkeypatch.setenv("QWENFT_CACHE", str(tmp_path / "cache"))
@@ -955,7 +955,7 @@ def test_a_shard_is_tokenized_while_the_next_is_read_and_its_error_comes_first(t
 
     monkeypatch.setattr(store.ShardInput, "write", write)
     monkeypatch.setattr(encode, "encode_batch", encode_waiting)
-    pipeline.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
+    encode.tokenize_rows(rows, tiny, dcfg, source, "line", "key", "train")
     assert overlapped == [True]
 
     def fails_on_shard_0(batch, **kwargs):

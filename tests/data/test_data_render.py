@@ -11,7 +11,8 @@ import logging
 import pytest
 
 from qwenft.data import DataError, encode_example
-from qwenft.data.template import cut, encode_many, with_system
+from qwenft.data.template import cut, with_system
+from tests.data.conftest import encode_many
 
 
 def conversations():

@@ -262,7 +262,7 @@ def test_the_trainer_batches_packed_rows(tmp_path):
     bundle = build(config, tokenizer)
     batches = []
     for _ in range(2):
-        trainer = make_trainer(config, model, tokenizer, bundle, tmp_path / "ckpt")
+        trainer = make_trainer(config, model, tokenizer, bundle, tmp_path / "ckpt", "none")
         batches.append(next(iter(trainer.get_train_dataloader())))
     first = batches[0]
     assert set(first) == {"input_ids", "labels", "position_ids"} and first["input_ids"].shape[0] == 2

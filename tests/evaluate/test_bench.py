@@ -336,7 +336,7 @@ def test_paired_ci_rejects_unequal_or_empty_lists():
 # ------------------------------------------------------------------------- 4. one model load, both sides
 COUNT_LOADS = """
 import atexit, json
-import qwenft.model, qwenft.model.load, qwenft.model.inference
+import qwenft.model, qwenft.model.load, qwenft.model.lora
 from transformers import AutoModelForCausalLM
 _calls = {"load_model": 0, "from_pretrained": 0}
 _load, _from = qwenft.model.load.load_model, AutoModelForCausalLM.from_pretrained
@@ -346,7 +346,7 @@ def _counted_load(*a, **k):
 def _counted_from(*a, **k):
     _calls["from_pretrained"] += 1
     return _from(*a, **k)
-qwenft.model.load_model = qwenft.model.load.load_model = qwenft.model.inference.load_model = _counted_load
+qwenft.model.load_model = qwenft.model.load.load_model = qwenft.model.lora.load_model = _counted_load
 AutoModelForCausalLM.from_pretrained = _counted_from
 atexit.register(lambda: print("MODEL LOADS " + json.dumps(_calls), file=sys.stderr))
 """
@@ -355,7 +355,7 @@ atexit.register(lambda: print("MODEL LOADS " + json.dumps(_calls), file=sys.stde
 def count_loads(monkeypatch) -> dict:
     """Count, in this process, the model loads (qwenft's load_model and transformers' from_pretrained)."""
     import qwenft.model
-    import qwenft.model.inference
+    import qwenft.model.lora
     import qwenft.model.load
     from transformers import AutoModelForCausalLM
 
@@ -370,7 +370,7 @@ def count_loads(monkeypatch) -> dict:
         calls["from_pretrained"] += 1
         return from_pretrained(*args, **kwargs)
 
-    for module in (qwenft.model, qwenft.model.load, qwenft.model.inference):
+    for module in (qwenft.model, qwenft.model.load, qwenft.model.lora):
         monkeypatch.setattr(module, "load_model", counted_load)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counted_from)
     return calls

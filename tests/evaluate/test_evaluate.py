@@ -68,7 +68,7 @@ def test_metrics_json_matches_report(trained_run):
     assert set(memory) == {"train", "eval"}
     for phase in memory.values():
         assert phase["bytes"] >= phase["start_bytes"] > 0 and phase["kind"] == "cpu_peak_rss" and phase["seconds"] > 0
-    from qwenft.runtime import describe_peaks
+    from qwenft.memory import describe_peaks
 
     assert describe_peaks(memory) in (run_dir / "report.md").read_text()
 

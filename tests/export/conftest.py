@@ -41,7 +41,7 @@ def embedded_merge(tmp_path_factory, embedded_dir) -> Path:
     ``<dir>/../run/adapter``."""
     import importlib.util
 
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     root = tmp_path_factory.mktemp("embedded_merge")
     adapter = root / "run" / "adapter"

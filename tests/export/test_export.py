@@ -169,7 +169,7 @@ def test_merge_base_keeps_the_trained_rope_scaling(tmp_path):
 
 
 def test_user_errors_name_the_producing_command(tmp_path):
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     with pytest.raises(QwenftError, match=r"run `python -m qwenft train` first"):
         merge(merge_config(tmp_path / "missing", tmp_path / "out"))
@@ -184,7 +184,7 @@ def test_user_errors_name_the_producing_command(tmp_path):
 
 
 def test_refuses_a_non_empty_out(tmp_path, adapters):
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     out = tmp_path / "out"
     out.mkdir()
@@ -197,7 +197,7 @@ def test_refuses_a_non_empty_out(tmp_path, adapters):
 
 def test_an_out_below_a_file_is_one_line(tmp_path, adapters):
     """out=FILE/sub: one line naming out= and the file in the way (was a FileExistsError traceback)."""
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     (tmp_path / "afile").write_text("mine")
     with pytest.raises(QwenftError, match=r"out=.*afile/sub: cannot create its folder .*afile is a file, not a folder"):
@@ -239,7 +239,7 @@ def read_record(out: Path) -> dict:
 
 
 def test_merge_16bit_float32_sharded_and_rerun_is_a_no_op(tmp_path, adapters, monkeypatch, capsys):
-    import qwenft.export as export
+    import qwenft.export.merge as export
 
     adapter, config = adapters["16bit"]
     out = tmp_path / "merged"
@@ -287,7 +287,7 @@ def test_merge_16bit_float32_sharded_and_rerun_is_a_no_op(tmp_path, adapters, mo
 def test_merge_nf4_into_dequantized_base(tmp_path, adapters):
     """The default merge of a QLoRA adapter reproduces adapter-on-NF4-base better than merging into the
     original weights (the trade-off documented in qwenft.export.build)."""
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     adapter, config = adapters["nf4"]
     out = tmp_path / "merged"
@@ -313,7 +313,7 @@ def test_merge_nf4_into_dequantized_base(tmp_path, adapters):
 def test_merge_bfloat16_with_gguf_f16_round_trip(tmp_path, adapters):
     import gguf
 
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
     from qwenft.export.verify import GGUF_RTOL, RTOL
 
     adapter, config = adapters["nf4"]
@@ -370,7 +370,7 @@ def test_merge_bfloat16_with_gguf_f16_round_trip(tmp_path, adapters):
 def test_tied_embeddings_survive_and_an_untied_merge_is_saved_untied(tmp_path, adapters):
     from peft import LoraConfig, get_peft_model
 
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     adapter, config = adapters["tied"]
     out = tmp_path / "merged"
@@ -415,7 +415,8 @@ def test_tied_embeddings_survive_and_an_untied_merge_is_saved_untied(tmp_path, a
 
 
 def test_failed_verification_exits_1_and_writes_nothing(tmp_path, adapters, monkeypatch):
-    import qwenft.export as export
+    import qwenft.export.merge as export
+    from qwenft.export.command import merge_command
 
     real_save = export.save_merged
 
@@ -427,7 +428,7 @@ def test_failed_verification_exits_1_and_writes_nothing(tmp_path, adapters, monk
     monkeypatch.setattr(export, "save_merged", corrupting_save)
     out = tmp_path / "merged"
     with pytest.raises(SystemExit) as exit_info:
-        export.merge_command(merge_config(adapters["16bit"][0], out, "merge.dtype=float32"))
+        merge_command(merge_config(adapters["16bit"][0], out, "merge.dtype=float32"))
     assert exit_info.value.code == 1
     assert not out.exists() and no_leftovers(out)
 
@@ -435,7 +436,7 @@ def test_failed_verification_exits_1_and_writes_nothing(tmp_path, adapters, monk
 # Run in the child before the CLI: once the merged shards are written, say so and wait (the test then interrupts it).
 PAUSE_AFTER_SHARDS = """
 import sys, time
-import qwenft.export as export
+import qwenft.export.merge as export
 _save = export.save_merged
 def _save_then_pause(*args, **kwargs):
     result = _save(*args, **kwargs)
@@ -470,7 +471,7 @@ def _start_paused_merge(adapter: Path, out: Path):
 
 @pytest.mark.slow  # merges interrupted and killed in new processes
 def test_interrupted_or_killed_merge_leaves_no_dir(tmp_path, adapters):
-    from qwenft.export import _remove_stale
+    from qwenft.export.merge import _remove_stale
 
     adapter = adapters["16bit"][0]
     out = tmp_path / "merged"
@@ -500,7 +501,7 @@ time.sleep(120)
 @pytest.mark.skipif(not hasattr(os, "waitid"), reason="needs os.waitid to leave the child a zombie")
 def test_a_killed_merge_not_yet_reaped_counts_as_dead(tmp_path):
     """A merge killed under a parent that has not waited for it is a zombie: its .tmp-* folder is stale."""
-    from qwenft.export import OWNER, _remove_stale
+    from qwenft.export.merge import OWNER, _remove_stale
 
     out = tmp_path / "merged"
     stale, live = tmp_path / "merged.tmp-dead", tmp_path / "merged.tmp-live"

@@ -142,7 +142,7 @@ def _llama_again(gguf_path: Path, record: dict, tokenizer, qtype: str):
 
 def test_tiny_random_merge_is_checked_by_llama_cpp_and_broken_ggufs_are_rejected(tmp_path):
     pytest.importorskip("llama_cpp")
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
     from qwenft.export.gguf_file import write_gguf
     from qwenft.model import load_tokenizer
 

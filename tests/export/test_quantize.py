@@ -67,7 +67,7 @@ def test_an_unknown_method_exits_2_with_one_line(tmp_path):
 def test_a_bare_method_is_a_one_item_list(tmp_path):
     """merge.quantize=gguf-q4_k_m (no brackets) is the list [gguf-q4_k_m], as lora.target_modules=q_proj is: the
     method's own check answers, not OmegaConf's "not a ListConfig" (found by a new-user pass)."""
-    from qwenft.hydra_app import free_form
+    from qwenft.cli.overrides import free_form
 
     assert free_form(["merge.quantize=gguf-q4_k_m", "merge.quantize=gguf-q8_0,gptq", "merge.quantize=[awq]",
                       "merge.quantize=[]"]) == ["merge.quantize=[gguf-q4_k_m]", "merge.quantize=[gguf-q8_0,gptq]",
@@ -90,7 +90,7 @@ def test_a_bare_method_is_a_one_item_list(tmp_path):
 def test_a_finished_merge_with_other_settings_names_them(tmp_path):
     """A non-empty out= holding a finished merge made with other settings: the refusal names each recorded setting
     that differs (there vs here) and the overrides that reuse the merge (was "exists and is not empty")."""
-    from qwenft.export import MARKER, _request, merge
+    from qwenft.export.merge import MARKER, _request, merge
     from qwenft.model.adapter import resolve_base
 
     adapter = tmp_path / "run" / "adapter"
@@ -219,7 +219,7 @@ def test_rows_measured_in_another_run_say_when():
 
 
 def test_quantize_settings_are_not_part_of_the_merges_identity(tmp_path):
-    from qwenft.export import _request
+    from qwenft.export.merge import _request
     from qwenft.model.adapter import resolve_base
 
     adapter = tmp_path / "run" / "adapter"
@@ -250,7 +250,7 @@ def test_tiny_random_gguf_k_quants_end_to_end(tmp_path, monkeypatch):
     table in qwenft_merge.json, the card and the output; a re-run loads nothing; the merge itself stays done."""
     pytest.importorskip("llama_cpp")
     import qwenft.export.quantize as quantize_module
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
     from qwenft.export.quantize import check_request
 
     adapter = tmp_path / "run" / "adapter"
@@ -304,7 +304,7 @@ def test_adding_an_artifact_keeps_the_earlier_rows_and_says_when(tmp_path, monke
 
     import qwenft.export.costs as costs_module
     import qwenft.export.gguf_quant as gguf_quant
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     bars = []
 
@@ -348,7 +348,7 @@ def test_tiny_random_gptq_and_awq(tmp_path):
     """GPTQ and AWQ by llm-compressor on a tiny-random of width 128 (one group per row): compressed-tensors
     directories that transformers loads, measured in the cost table; AWQ's 8 rows go in one right-padded batch."""
     pytest.importorskip("llmcompressor")
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     adapter = tmp_path / "run" / "adapter"
     make_adapter(adapter, "quant=none", model_args=("model=tiny-random", "model.tiny.hidden_size=128",

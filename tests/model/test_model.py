@@ -260,9 +260,9 @@ def test_adapter_path_forgives_a_run_directory_and_names_a_missing_one(tmp_path,
     (check_adapter_dir) serves generate, eval, inspect (prepare_inference) and merge."""
     import logging
 
-    from qwenft.export import _paths
+    from qwenft.export.merge import _paths
     from qwenft.model import check_adapter_dir
-    from qwenft.model.inference import prepare_inference
+    from qwenft.model.lora import prepare_inference
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"

@@ -116,7 +116,7 @@ def saved_bytes(config, batch: int, seq: int, amp: bool, tmp_path) -> int:
     model, tokenizer = load_model(config, device="cpu")
     peft_model = attach_lora(model, config.lora, gradient_checkpointing=False)
     trainer = make_trainer(config, peft_model, tokenizer, DataBundle(train=[], eval=None, eval_rows={}, stats={}),
-                           tmp_path / "checkpoints")
+                           tmp_path / "checkpoints", "none")
     peft_model.train()
     params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
     seen = {}

@@ -1,4 +1,4 @@
-"""Serving hand-off: which adapters vLLM serves unmerged (qwenft.model.serving) checked against docs/serve.md's table
+"""Serving hand-off: which adapters vLLM serves unmerged (qwenft.model.vllm_lora) checked against docs/serve.md's table
 and against adapters qwenft itself writes; the --max-lora-rank rule; the serve commands of merge (printed, model card);
 the one warning of eval."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qwenft.config import ALL_TARGETS
-from qwenft.model.serving import (VLLM_CHECKED_KEYS, VLLM_MAX_LORA_RANKS, VLLM_QWEN2_TARGETS, read_adapter_config,
+from qwenft.model.vllm_lora import (VLLM_CHECKED_KEYS, VLLM_MAX_LORA_RANKS, VLLM_QWEN2_TARGETS, read_adapter_config,
                                   vllm_max_lora_rank, vllm_support)
 from tests.conftest import ROOT, compose_config
 
@@ -155,7 +155,7 @@ def test_merge_names_an_adapter_vllm_cannot_serve(tmp_path):
 def test_merge_prints_the_serve_commands(tmp_path, qwenft_adapter, capsys):
     """A real merge (tiny-random, float32): its last lines are the serve commands, the model card has them, and a
     re-run that does nothing prints them again."""
-    from qwenft.export import merge
+    from qwenft.export.merge import merge
 
     out = tmp_path / "merged"
     config = compose_config(f"adapter={qwenft_adapter}", f"out={out}", "merge.dtype=float32", command="merge")
@@ -173,7 +173,7 @@ def test_merge_prints_the_serve_commands(tmp_path, qwenft_adapter, capsys):
 
 
 def test_eval_warns_once_for_an_adapter_vllm_cannot_serve(tmp_path, caplog):
-    from qwenft.model.inference import prepare_inference
+    from qwenft.model.lora import prepare_inference
 
     adapter = tmp_path / "adapter"
     make_qwenft_adapter(adapter, "lora.use_dora=true")

@@ -102,7 +102,7 @@ def _trainer(tmp_path, *overrides):
                            max_seq_len=128, train_on="assistant") for q, a in QUESTIONS[:3]]
     batch = DataCollator(tokenizer)([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     bundle = DataBundle(train=[], eval=None, eval_rows={}, stats={})
-    trainer = make_trainer(config, model, tokenizer, bundle, tmp_path / "ckpt")
+    trainer = make_trainer(config, model, tokenizer, bundle, tmp_path / "ckpt", "none")
     return trainer, model, dict(batch), config
 
 
@@ -257,7 +257,7 @@ def test_chunked_loss_equals_the_model_loss_on_the_embedded_model(tmp_path, embe
     batch = dict(DataCollator(tokenizer)([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]))
     assert int((batch["labels"][:, 1:] != -100).sum()) > 3 * 8  # several chunks
     trainer = make_trainer(config, model, tokenizer, DataBundle(train=[], eval=None, eval_rows={}, stats={}),
-                           tmp_path / "ckpt")
+                           tmp_path / "ckpt", "none")
     monkeypatch.setattr(qwenft.kernels, "CHUNK_BYTES", 8 * 4 * 151936)  # 8 tokens a chunk
     transformers_loss = model(**batch).loss
     transformers_loss.backward()

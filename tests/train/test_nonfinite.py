@@ -75,7 +75,7 @@ def test_fp16_overflow_says_what_to_do_and_finished_rows_are_ignored():
 def test_generate_command_prints_one_line(tmp_path, monkeypatch, capsys):
     """``qwenft generate`` on a model whose logits overflow: one error line (exit 2), no traceback (in this process,
     the model loader patched to poison the logits)."""
-    import qwenft.model.inference as inference
+    import qwenft.model.lora as inference
     from qwenft.model import load
     from tests.conftest import qwenft_in_process
 

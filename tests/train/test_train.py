@@ -307,7 +307,7 @@ def test_a_resume_with_another_model_names_the_model_typed(tmp_path):
     """issue 27 item 10: a resume with `model=` other than the run's names `model=NAME` (what the user typed), then
     the keys it changes; a `quant=` likewise."""
     from qwenft.config import QwenftError
-    from qwenft.train.run import check_resume_config, config_yaml
+    from qwenft.train.rundir import check_resume_config, config_yaml
 
     (tmp_path / "config.yaml").write_text(config_yaml(compose_config("model=tiny-random", "quant=none")))
     with pytest.raises(QwenftError) as info:

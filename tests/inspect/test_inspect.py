@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from qwenft.config import ConfigError, QwenftError
-from qwenft.trace import inspect_command, resolve_layers, token_table, trace_forward
+from qwenft.inspect.command import inspect_command
+from qwenft.inspect.trace import resolve_layers, token_table, trace_forward
 from tests.conftest import ROOT, compose_config
 
 PROMPT = "春天来了，花开了。"
@@ -34,7 +35,7 @@ def tiny(tmp_path):
 
 
 def stats(x: torch.Tensor) -> dict:
-    """The reference statistics, written independently of qwenft.trace.tensor_stats."""
+    """The reference statistics, written independently of qwenft.inspect.trace.tensor_stats."""
     x = x.double()
     return {"rms": x.square().mean().sqrt().item(), "mean": x.mean().item(), "std": x.var(unbiased=False).sqrt().item(),
             "max_abs": x.abs().max().item(), "token_norm": torch.linalg.vector_norm(x, dim=-1).mean().item()}
@@ -177,7 +178,7 @@ def test_user_errors_stop_before_loading(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model must not be loaded")
 
-    monkeypatch.setattr("qwenft.model.inference.load_model", refuse)
+    monkeypatch.setattr("qwenft.model.lora.load_model", refuse)
     config = tiny_config(tmp_path)
     with pytest.raises(QwenftError, match="prompt"):
         inspect_command(config)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from qwenft.runtime import describe_peaks, peak_memory
+from qwenft.memory import describe_peaks, peak_memory
 
 MiB = 1 << 20
 
@@ -62,7 +62,7 @@ def test_the_dict_is_filled_when_the_block_raises_and_the_report_line():
 
 HEAP_PATTERN = """
 import sys, torch
-from qwenft.runtime import _status_bytes, return_freed_memory_promptly
+from qwenft.memory import _status_bytes, return_freed_memory_promptly
 MiB = 1 << 20
 if sys.argv[1] == "on":
     assert return_freed_memory_promptly()
@@ -127,7 +127,7 @@ def _mapped_tensors(path, sizes):
 
 @linux_only
 def test_weights_leave_a_mapped_checkpoint_without_its_pages_adding_to_the_peak(tmp_path):
-    from qwenft.runtime import file_mappings, release_mapped_weights
+    from qwenft.memory import file_mappings, release_mapped_weights
 
     path = tmp_path / "model.safetensors"
     sizes = [8 * MiB // 4, 16 * MiB // 4, 4 * MiB // 4]  # the middle one stands for weights quantized away
@@ -147,7 +147,7 @@ def test_weights_leave_a_mapped_checkpoint_without_its_pages_adding_to_the_peak(
 
 @linux_only
 def test_a_written_mapping_is_copied_but_none_of_its_pages_dropped(tmp_path):
-    from qwenft.runtime import release_mapped_weights
+    from qwenft.memory import release_mapped_weights
 
     path = tmp_path / "model.safetensors"
     values, views, mapping = _mapped_tensors(path, [4 * MiB // 4, 4 * MiB // 4])

@@ -1,8 +1,8 @@
 """Command dispatch: ``python -m qwenft COMMAND [hydra overrides]``.
 
-Every command but ``recipes`` (which lists and copies recipe files, :mod:`qwenft.recipes`) composes the same Hydra
+Every command but ``recipes`` (which lists and copies recipe files, :mod:`qwenft.recipes.command`) composes the same Hydra
 config (``conf/config.yaml``, ``+recipe=NAME`` or ``+recipe=./my.yaml``, overrides),
-validates it against :mod:`qwenft.config` *before* anything heavy is imported or loaded, and only
+validates it against :mod:`qwenft.config` (:mod:`qwenft.cli.compose`) *before* anything heavy is imported or loaded, and only
 then hands over to Hydra (run directory, ``.hydra/`` snapshot, log file, ``-m`` multirun).
 A user error (bad key, wrong type, impossible value, missing file) ends with exit code 2 and one
 line naming the problem; no traceback. A failed gate of the verdict under ``eval.fail_on_gate=true`` ends ``train``
@@ -19,35 +19,46 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from qwenft.config import COMMANDS, GatesFailed, QwenftError, to_config
+from qwenft.cli.compose import register_resolvers, validate
+from qwenft.cli.overrides import free_form, parse_hydra_args, shell_split
+from qwenft.cli.recipe_files import recipe_overrides
+from qwenft.cli.rundir import (RUN_DIR_COMMANDS, discard_untouched_run_dir, hydra_snapshot, log_to_files,
+                               restore_hydra_snapshot)
+from qwenft.config import COMMANDS, ConfigError, GatesFailed, QwenftError, to_config
 from qwenft.files import file_in_the_way
-from qwenft.hydra_app import (RUN_DIR_COMMANDS, _log_to_files, _parse_hydra_args, discard_untouched_run_dir, fail,
-                               free_form, hydra_snapshot, recipe_overrides, restore_hydra_snapshot, validate,
-                               register_resolvers)
 from qwenft.resources import available_recipes, conf_dir
 from qwenft.runlock import RunLock, lock_run_dirs, new_run_stamp
 
 log = logging.getLogger("qwenft")
 
+def fail(message: str, code: int = 2) -> "None":
+    """Print one error line to stderr and exit with ``code``."""
+    print(f"qwenft: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
 GATE_EXIT_CODE = 3  # a gate of the verdict failed (eval.fail_on_gate=true); 2 is a user error
 
-# command -> (one-line help, "module:function" run with the validated Config)
+# verb -> (one-line help, room): ``python -m qwenft VERB`` runs ``qwenft.<room>.command.<verb>_command`` with the
+# validated Config (tests/test_layout.py checks that each is there)
 COMMAND_TABLE: Dict[str, Tuple[str, str]] = {
-    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", "qwenft.train.run:main"),
-    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md", "qwenft.evaluate:eval_command"),
-    "generate": ("stream text from the model (+ adapter) with the KV-cached sampler",
-                 "qwenft.generation.command:generate_command"),
-    "merge": ("merge an adapter into its base and export a standalone 16-bit model", "qwenft.export:merge_command"),
-    "data": ("validate and preview the training data: counts, lengths, a masked example", "qwenft.data.command:preview"),
-    "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)",
-                "qwenft.trace:inspect_command"),
-    "plan": ("memory and parameter plan from the config, before any download", "qwenft.plan:plan_command"),
-    "serve": ("serve base and tuned behind an OpenAI-compatible API, /metrics and a side-by-side page",
-              "qwenft.serve.command:serve_command"),
+    "train": ("fine-tune with LoRA/QLoRA on the data mix, then evaluate base vs tuned", "train"),
+    "eval": ("evaluate base vs tuned: perplexity, generation metrics, report.md", "evaluate"),
+    "generate": ("stream text from the model (+ adapter) with the KV-cached sampler", "generation"),
+    "merge": ("merge an adapter into its base and export a standalone 16-bit model", "export"),
+    "data": ("validate and preview the training data: counts, lengths, a masked example", "data"),
+    "inspect": ("per-layer trace of one forward pass (shapes, stats, attention, top-k)", "inspect"),
+    "plan": ("memory and parameter plan from the config, before any download", "plan"),
+    "serve": ("serve base and tuned behind an OpenAI-compatible API, /metrics and a side-by-side page", "serve"),
     # no Hydra config: `qwenft recipes [cp NAME DEST [--force]]`, run with its own arguments
-    "recipes": ("list the built-in recipes; `recipes cp NAME DIR` copies one to edit",
-                "qwenft.recipes:recipes_command"),
+    "recipes": ("list the built-in recipes; `recipes cp NAME DIR` copies one to edit", "recipes"),
 }
+
+
+def command_function(verb: str) -> Callable:
+    """The function ``python -m qwenft VERB`` runs: ``<verb>_command`` of ``qwenft.<room>.command``, imported now."""
+    return getattr(importlib.import_module(f"qwenft.{COMMAND_TABLE[verb][1]}.command"), f"{verb}_command")
+
 
 USAGE = """usage: python -m qwenft COMMAND [overrides]
 
@@ -65,11 +76,6 @@ recipes: {recipes} (+recipe=NAME; a file of your own: +recipe=./my.yaml)
 def usage() -> str:
     table = "\n".join(f"  {name:<9} {help_line}" for name, (help_line, _) in COMMAND_TABLE.items())
     return USAGE.format(table=table, recipes=", ".join(available_recipes()) or "(none)")
-
-
-def _resolve(command: str) -> Callable:
-    module, _, name = COMMAND_TABLE[command][1].partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], existing: Sequence[str] = ()) -> None:
@@ -96,16 +102,16 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
             if command in RUN_DIR_COMMANDS:
                 config.out_dir = HydraConfig.get().runtime.output_dir
                 run_dir = Path(config.out_dir).expanduser().resolve()
-            result = _resolve(command)(config)
+            result = command_function(command)(config)
             status = "done"
             return result
         except GatesFailed as exc:  # everything is written: the run directory stays as it is
             status = "gate failed"
-            _log_to_files(f"verdict: {exc}")
+            log_to_files(f"verdict: {exc}")
             failed_gates.append(str(exc))
         except QwenftError as exc:
             status = f"error: {exc}"
-            _log_to_files(f"error: {exc}")
+            log_to_files(f"error: {exc}")
             if run_dir is not None and os.environ.get("RANK", "0") == "0":
                 if str(run_dir) in snapshots:
                     restore_hydra_snapshot(run_dir, snapshots[str(run_dir)])
@@ -118,7 +124,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
             if command == "train" and run_dir is not None:
                 message += (f"; complete checkpoints in {run_dir / 'checkpoints'} are kept: rerun the same command with "
                             "train.resume=auto to continue from the last one")
-            _log_to_files(message)
+            log_to_files(message)
             print(file=sys.stderr)  # on a line of its own: a progress bar (or the terminal's ^C) ends without one
             fail(message, code=130)
         finally:  # -m: the point goes into the grid's index however it ended
@@ -138,14 +144,14 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
 
 def _index_grid_point(command: str, status: str, metric_names: Sequence[str]) -> None:
     """Under ``-m``, in ``train`` and ``eval``: the point that just ended goes into the grid's index at ``out_dir``
-    (:mod:`qwenft.grid`: grid.json, grid.md), with the overrides Hydra gave it."""
+    (:mod:`qwenft.cli.grid`: grid.json, grid.md), with the overrides Hydra gave it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hydra_config = HydraConfig.get()
     if hydra_config.mode != RunMode.MULTIRUN or command not in RUN_DIR_COMMANDS or os.environ.get("RANK", "0") != "0":
         return
-    from qwenft.grid import INDEX_MD, record_point
+    from qwenft.cli.grid import INDEX_MD, record_point
 
     overrides = [o for o in hydra_config.overrides.task if not o.startswith("command=")]
     root = Path(hydra_config.runtime.output_dir).parent  # point N runs in out_dir/N
@@ -165,41 +171,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _quiet_wandb_notice(command: str) -> None:
-    """transformers prints "[INFO] Running in WANDB offline mode" on stdout when its W&B integration is imported
-    with WANDB_MODE=offline; for a command that may import it, import it now with that line dropped (the user set
-    the mode; wandb says so itself on stderr when a run logs to it), so a redirected result, and the line of a config
-    error, stays clean. Called after the config checks, so a refused override is one line in ~1 s, not after that
-    import (10-14 s of transformers' Trainer, peft, bitsandbytes and torch on 2 cores); ``data`` (a tokenizer only)
-    and ``plan`` (config.json only) never import it and are spared it."""
+    """With ``WANDB_MODE=offline``, import transformers' W&B integration now with its stdout notice dropped, so a
+    redirected result stays clean; called after the config checks, so a refused override stays fast
+    (docs/performance.md, "Startup of a command"). ``data`` and ``plan`` never import it."""
     if os.environ.get("WANDB_MODE") == "offline" and command not in ("data", "plan"):
         import contextlib
         import io
 
         with contextlib.redirect_stdout(io.StringIO()):
-            import transformers.integrations.integration_utils  # noqa: F401
+            importlib.import_module("transformers.integrations.integration_utils")
 
 
-def shell_split(words: Sequence[str]) -> Optional[str]:
-    """The one-line error for an override the shell split at its spaces, else None.
-
-    Unquoted, ``data.sources.0.columns={instruction: q, output: a}`` reaches qwenft as four words, the first
-    ``data.sources.0.columns={instruction:`` (Hydra: "no viable alternative at input '{instruction:'"); so do
-    ``eval.metrics=[char_f1, rouge_l]`` and ``prompt=Hello world``. Every override is ``key=value`` (or ``~key``),
-    so the words without ``=`` after an override are the rest of it: the error names the key and the whole
-    override, quoted for the shell.
-    """
-    for i, word in enumerate(words):
-        if "=" not in word:
-            continue
-        end = i + 1
-        while end < len(words) and "=" not in words[end] and not words[end].startswith("~"):
-            end += 1
-        if end > i + 1:
-            whole = " ".join(words[i:end])
-            quote = "'" if "'" not in whole else '"'
-            return (f"{word.partition('=')[0]}: the shell split this override at its spaces into {end - i} words "
-                    f"(the first: {word}); quote it whole: {quote}{whole}{quote}")
-    return None
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> None:
@@ -217,14 +199,17 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
 
                 cache_command(rest)
             else:
-                _resolve(command)(rest)
+                command_function(command)(rest)
         except QwenftError as exc:
             fail(str(exc))
         return
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     register_resolvers()
     new_run_stamp()  # this command's default run directory name (validate() and Hydra both compose it)
-    parsed = _parse_hydra_args(rest)
+    try:
+        parsed = parse_hydra_args(rest)
+    except ConfigError as exc:
+        fail(str(exc))
     split = shell_split(parsed.overrides)
     if split:
         fail(split)
@@ -233,7 +218,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
     except QwenftError as exc:
         fail(str(exc))
     if parsed.help:  # the keys this command reads; the whole config is `--cfg job`, Hydra's help `--hydra-help`
-        from qwenft.usage import command_help
+        from qwenft.cli.usage import command_help
 
         print(command_help(command, COMMAND_TABLE[command][0], overrides), end="")
         return
@@ -271,7 +256,7 @@ def _checked_run(command: str, rest: Sequence[str], parsed, overrides: List[str]
         if command == "train":  # resume / finished-run checks, before Hydra writes .hydra/
             from dataclasses import replace
 
-            from qwenft.train.run import check_run_dir
+            from qwenft.train.rundir import check_run_dir
 
             try:  # -m: grid point N runs in out_dir/N (hydra.sweep.subdir), in the order validate() returns
                 for num, config in enumerate(configs):
@@ -279,7 +264,7 @@ def _checked_run(command: str, rest: Sequence[str], parsed, overrides: List[str]
                                   if parsed.multirun else config)
             except QwenftError as exc:
                 fail(str(exc))
-        _resolve(command)  # an unimplemented command stops here, before Hydra writes anything
+        command_function(command)  # an unimplemented command stops here, before Hydra writes anything
         if command == "train":  # under torchrun / accelerate launch: one run directory for all ranks
             try:
                 launch = launch_overrides(configs[0], parsed.multirun)

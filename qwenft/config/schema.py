@@ -1,0 +1,62 @@
+"""The schema's root: :class:`Config`, the whole validated run, one field per section (registered in Hydra's
+ConfigStore as ``qwenft_schema``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from qwenft.config.base import COMMANDS, _check, _check_choice
+from qwenft.config.data import DataConfig
+from qwenft.config.dist import DistConfig
+from qwenft.config.evaluate import EvalConfig
+from qwenft.config.export import MergeConfig
+from qwenft.config.gates import check_gate_names
+from qwenft.config.generate import GenerateConfig
+from qwenft.config.inspect import InspectConfig
+from qwenft.config.model import LoraConfig, ModelConfig, QuantConfig
+from qwenft.config.plan import PlanConfig
+from qwenft.config.serve import ServeConfig
+from qwenft.config.train import TrainConfig, WandbConfig
+
+
+@dataclass
+class Config:
+    """The whole run. ``command`` is set by the CLI; ``out_dir`` is the run directory.
+
+    ``generate_presets``: every ``conf/generate`` preset by name, composed by Hydra (``conf/config.yaml``'s defaults
+    list); ``eval.generate`` names the one evaluation samples with (:func:`qwenft.evaluate.run.generate_preset`).
+    """
+
+    command: str = "train"
+    run_name: str = "run"
+    out_dir: str = "outputs"
+    logger: str = "none"
+    adapter: Optional[str] = None
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
+    chat: bool = True
+    out: Optional[str] = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    inspect: InspectConfig = field(default_factory=InspectConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    generate_presets: Dict[str, GenerateConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("command", self.command, COMMANDS)
+        _check_choice("logger", self.logger, ("none", "wandb"))
+        if self.command in ("train", "eval"):  # a gate names a held-out source or benchmark of this run
+            check_gate_names(self.eval.gates, self.data.sources, self.eval.benchmarks, self.eval.metrics)
+        if self.command == "train" and self.data.sources:  # eval may use evaluation-only (weight 0) sources
+            _check(sum(s.weight for s in self.data.sources) > 0, "data.sources.weight",
+                   [s.weight for s in self.data.sources], "at least one weight must be > 0 to train")
