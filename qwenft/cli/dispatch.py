@@ -130,6 +130,8 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
         finally:  # -m: the point goes into the grid's index however it ended
             _index_grid_point(command, status, metric_names)
 
+    if "--hydra-help" in flags:  # Hydra's own help composes no primary config: an override of it cannot apply
+        overrides, extra = [], [f"hydra.job.name={command}"]
     saved = sys.argv
     sys.argv = [f"qwenft {command}", *overrides, *extra, *flags]
     try:
@@ -161,9 +163,12 @@ def _index_grid_point(command: str, status: str, metric_names: Sequence[str]) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m qwenft``; exits 0 on success, 2 on a user error, 3 when a gate failed under
-    ``eval.fail_on_gate=true``."""
+    ``eval.fail_on_gate=true``, 130 when interrupted (Ctrl-C)."""
     try:
         _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before Hydra runs the command (its own handler says more), e.g. mid-import
+        print(file=sys.stderr)  # on a line of its own, after the terminal's ^C
+        fail("interrupted", code=130)
     except BrokenPipeError:  # `qwenft recipes | head -3`: the reader left; no traceback for that
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush of stdout would raise again

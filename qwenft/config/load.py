@@ -120,12 +120,34 @@ def to_config(cfg: Any) -> Config:
     plain = None
     try:
         plain = escape_interpolations(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+        _check_presets(plain)
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except OmegaConfBaseException as exc:  # type errors from the structured merge
         raise ConfigError(source_message(plain) or omegaconf_message(exc)) from None
+
+
+def _check_presets(plain: Any) -> None:
+    """Check each sampler preset of ``generate_presets`` on its own, so that an impossible value is named by its own
+    key (``generate_presets.precise.max_new_tokens``), not by the ``generate`` section's whose checks it shares.
+
+    Raises:
+        ConfigError: one line naming the preset's key.
+    """
+    from omegaconf import OmegaConf
+
+    from qwenft.config.generate import GenerateConfig
+
+    presets = plain.get("generate_presets") if isinstance(plain, dict) else None
+    for name, preset in (presets or {}).items():
+        try:
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GenerateConfig), preset))
+        except ConfigError as exc:
+            text = str(exc)
+            raise ConfigError(f"generate_presets.{name}.{text.removeprefix('generate.')}"
+                              if text.startswith("generate.") else text) from None
 
 
 def source_message(plain: Any) -> Optional[str]:

@@ -9,7 +9,7 @@ from qwenft.cli.compose import validate
 from qwenft.resources import available_recipes
 from qwenft.config import ALL_TARGETS, ConfigError
 from qwenft.cli.compose import register_resolvers
-from tests.conftest import ROOT, compose_config, qwenft_in_process, run_qwenft
+from tests.conftest import ROOT, compose_config, qwenft_in_process, run_main, run_qwenft
 
 
 def test_defaults_compose():
@@ -297,3 +297,37 @@ def test_eval_picks_its_sampler_from_every_composed_preset():
         generate_preset(compose_config("eval.generate=greedy"))
     names = ", ".join(path.stem for path in files)
     assert str(caught.value) == f"eval.generate='greedy' is not accepted; choose one of: {names}"
+
+
+def test_an_impossible_preset_value_is_named_by_its_own_key():
+    """``generate_presets.NAME.KEY`` is checked as the ``generate`` section is, and the error names the preset's key
+    (a new user's ``generate_presets.balanced.max_new_tokens=0`` was refused as ``generate.max_new_tokens``)."""
+    with pytest.raises(ConfigError) as caught:
+        compose_config("generate_presets.balanced.max_new_tokens=0")
+    assert str(caught.value).startswith("generate_presets.balanced.max_new_tokens=0 is not accepted")
+    with pytest.raises(ConfigError) as caught:
+        compose_config("generate.max_new_tokens=0")
+    assert str(caught.value).startswith("generate.max_new_tokens=0 is not accepted")
+
+
+def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys):
+    """Ctrl-C while the command line is still being checked (a new user's came during the library imports that
+    follow the config checks) ends with one line and exit code 130, as it does once the command runs."""
+    import qwenft.cli.dispatch as dispatch
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dispatch, "_quiet_wandb_notice", interrupted)
+    code, stderr = run_main(["plan", "model=tiny-random"], capsys)
+    assert code == 130 and stderr.splitlines()[-1] == "qwenft: error: interrupted", stderr
+    assert "Traceback" not in stderr
+
+
+def test_hydra_help_prints_hydra_s_help(capsys):
+    """``COMMAND --hydra-help`` (each command's --help points to it) prints Hydra's own help, with or without
+    overrides; it was two tracebacks (Hydra composes no primary config for it, so qwenft's overrides could not apply)."""
+    for argv in (["train", "--hydra-help"], ["plan", "model=tiny-random", "--hydra-help"]):
+        result = qwenft_in_process(capsys, *argv)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "--hydra-help" in result.stdout and "Hydra" in result.stdout, result.stdout[:500]
