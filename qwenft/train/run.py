@@ -171,7 +171,9 @@ def run(config: Config) -> Path:
     if not main:
         return out_dir
     if config.eval.after_train:  # no autocast: the weights are cast to the compute dtype, as `qwenft eval` runs
-        _evaluate_after_train(config, model if not sharded else None, tokenizer, bundle, benchmarks)
+        if sharded:  # rank 0's model holds its shards only: dropped before the saved adapter is loaded
+            model = None
+        _evaluate_after_train(config, model, tokenizer, bundle, benchmarks)
     print(f"run directory: {out_dir}")
     return out_dir
 

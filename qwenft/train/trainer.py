@@ -45,6 +45,7 @@ def _precision_and_optim(config: Config, model) -> Tuple[Dict[str, bool], str]:
         log.warning("fp16 training can overflow on Qwen2 (NaN loss); bf16 is preferred where supported")
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}, optim
 
+
 def wandb_env(config: Config) -> None:
     """W&B logs offline unless the user is logged in or set WANDB_MODE; files go into the run directory (the
     Trainer's W&B callback starts a run on rank 0 only)."""
@@ -58,16 +59,6 @@ def wandb_env(config: Config) -> None:
         netrc = Path.home() / ".netrc"
         if not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")):
             os.environ["WANDB_MODE"] = "offline"
-
-
-
-def _optim(config: Config) -> str:
-    """``train.optim`` for the TrainingArguments (:func:`qwenft.runtime.resolve_optim`)."""
-    import torch
-
-    from qwenft.runtime import resolve_optim
-
-    return resolve_optim(config.train.optim, config.dist.strategy, torch.cuda.is_available())
 
 
 def training_arguments(config: Config, model, checkpoint_dir: Path, has_eval: bool):
