@@ -12,7 +12,7 @@ Both arms are lm-eval ``LM`` objects over the same loaded model and tokenizer, i
   and their KV cache copied for each batch of that subject's questions, the four choices from one row, only the read
   positions projected onto the vocabulary (fp32 log-softmax).
 
-Questions: K subjects chosen by ``eval.bench_seed`` (the seeded round-robin of ``bench_tasks.select``), M questions
+Questions: K subjects chosen by ``eval.bench_seed`` (the seeded order of ``bench_sample.select``), M questions
 from each (the subject's own seeded order), as full MMLU looks (~246 questions a subject, so the shots are shared by
 many questions; one question per subject would leave qwenft nothing to share). The arms alternate subject by
 subject in ABBA order (qwenft, HFLM | HFLM, qwenft | qwenft, HFLM ...): each arm answers every question once, and a
@@ -77,11 +77,11 @@ def load_average() -> List[float]:
 
 
 def choose_questions(config, subjects: int, per_subject: int):
-    """``(benchmark, samples)``: the mmlu benchmark with ``subjects`` subjects chosen by the seeded round-robin of
-    :func:`qwenft.evaluate.bench_tasks.select`, and ``per_subject`` doc ids from each (its seeded order)."""
+    """``(benchmark, samples)``: the mmlu benchmark with ``subjects`` subjects chosen in the seeded order of
+    :func:`qwenft.evaluate.bench_sample.select`, and ``per_subject`` doc ids from each (its seeded order)."""
     from qwenft.evaluate.bench_tasks import _docs, prepare, select
 
-    [bench] = prepare(config)  # bench_limit = subjects: one question from each of `subjects` subjects
+    [bench] = prepare(config)  # bench_limit = subjects, bench_block = 1: one question from each of `subjects`
     samples = {}
     for task_name, task in bench.tasks.items():
         samples.update(select({task_name: _docs(task)}, per_subject, config.eval.bench_seed))
@@ -245,7 +245,7 @@ def main() -> int:
     subjects = args.subjects or (2 if args.quick else 4)
     per_subject = args.per_subject or (2 if args.quick else 16)
     config = compose_config(*(["model=tiny-random"] if args.quick else []), "eval.benchmarks=[mmlu]",
-                            f"eval.bench_data=[{data.resolve()}]", f"eval.bench_limit={subjects}",
+                            f"eval.bench_data=[{data.resolve()}]", f"eval.bench_limit={subjects}", "eval.bench_block=1",
                             f"eval.bench_seed={args.seed}", "out_dir=/tmp/qwenft-bench-eval", command="eval")
     model_dir = resolve_model_dir(config.model)
     torch.manual_seed(0)

@@ -6,8 +6,9 @@ validates it against :mod:`qwenft.config` (:mod:`qwenft.cli.compose`) *before* a
 then hands over to Hydra (run directory, ``.hydra/`` snapshot, log file, ``-m`` multirun).
 A user error (bad key, wrong type, impossible value, missing file) ends with exit code 2 and one
 line naming the problem; no traceback. A failed gate of the verdict under ``eval.fail_on_gate=true`` ends ``train``
-and ``eval`` with exit code 3 (:data:`GATE_EXIT_CODE`) once everything is written, with one line naming the failed
-gates and report.md (with ``-m``: after every grid point ran).
+and ``eval`` with exit code 3 (``GatesFailed.exit_code``), an INCONCLUSIVE verdict under
+``eval.fail_on_inconclusive=true`` with exit code 4 (``GatesInconclusive.exit_code``), once everything is written, with one line naming the gates and
+report.md (with ``-m``: after every grid point ran; a FAIL anywhere exits 3).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ def fail(message: str, code: int = 2) -> "None":
     print(f"qwenft: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
-
-GATE_EXIT_CODE = 3  # a gate of the verdict failed (eval.fail_on_gate=true); 2 is a user error
 
 # verb -> (one-line help, room): ``python -m qwenft VERB`` runs ``qwenft.<room>.command.<verb>_command`` with the
 # validated Config (tests/test_layout.py checks that each is there)
@@ -89,7 +88,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
     from omegaconf import DictConfig
 
     snapshots = {path: hydra_snapshot(Path(path)) for path in existing}
-    failed_gates: List[str] = []  # one line per run whose verdict failed; reported once every job ran
+    failed_gates: List[GatesFailed] = []  # one per run whose verdict asks for an exit code; reported at the end
     extra = [f"command={command}", f"hydra.job.name={command}"]
     if command not in RUN_DIR_COMMANDS:
         extra += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stderr"]
@@ -108,7 +107,7 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
         except GatesFailed as exc:  # everything is written: the run directory stays as it is
             status = "gate failed"
             log_to_files(f"verdict: {exc}")
-            failed_gates.append(str(exc))
+            failed_gates.append(exc)
         except QwenftError as exc:
             status = f"error: {exc}"
             log_to_files(f"error: {exc}")
@@ -139,9 +138,9 @@ def _run_hydra(command: str, overrides: Sequence[str], flags: Sequence[str], exi
     finally:
         sys.argv = saved
     if failed_gates:
-        for line in failed_gates:
-            print(f"qwenft: verdict FAIL: {line}", file=sys.stderr)
-        raise SystemExit(GATE_EXIT_CODE)
+        for exc in failed_gates:
+            print(f"qwenft: {exc.label}: {exc}", file=sys.stderr)
+        raise SystemExit(min(exc.exit_code for exc in failed_gates))  # 3 (a FAIL) before 4 (undecided)
 
 
 def _index_grid_point(command: str, status: str, metric_names: Sequence[str]) -> None:

@@ -17,7 +17,7 @@ gates), :mod:`~qwenft.config.export` (merge), :mod:`~qwenft.config.inspect` (ins
 may import it.
 """
 
-from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, GatesFailed, QwenftError
+from qwenft.config.base import ALL_TARGETS, COMMANDS, ConfigError, GatesFailed, GatesInconclusive, QwenftError
 from qwenft.config.data import FORMAT_FIELDS, DataConfig, DataSource
 from qwenft.config.dist import DIST_STRATEGIES, QUANT_STORAGE, DistConfig
 from qwenft.config.evaluate import EvalConfig
@@ -32,7 +32,8 @@ from qwenft.config.serve import LOCAL_HOSTS, ServeConfig, is_local_host
 from qwenft.config.train import TrainConfig, WandbConfig
 
 __all__ = ["ALL_TARGETS", "COMMANDS", "Config", "ConfigError", "DIST_STRATEGIES", "DataConfig", "DataSource",
-           "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GatesFailed", "GenerateConfig", "InspectConfig", "LoraConfig",
+           "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GatesFailed", "GatesInconclusive", "GenerateConfig",
+           "InspectConfig", "LoraConfig",
            "MergeConfig", "ModelConfig", "PlanConfig", "QUANT_STORAGE", "QuantConfig", "QwenftError", "ROPE_TYPES",
            "RopeScalingConfig", "ServeConfig", "TinyModelConfig", "LOCAL_HOSTS", "is_local_host", "TrainConfig",
            "WandbConfig", "escape_interpolations", "omegaconf_message", "to_config", "unknown_key_message"]

@@ -24,6 +24,17 @@ class GatesFailed(Exception):
     every output of the run was written: the CLI prints the message (the failed gates, where report.md is) as one
     line and exits 3. Not a :class:`QwenftError`: nothing was wrong with the input, and the run directory stays."""
 
+    exit_code = 3
+    label = "verdict FAIL"
+
+
+class GatesInconclusive(GatesFailed):
+    """No gate failed but one is INCONCLUSIVE under ``eval.fail_on_inconclusive=true``: raised, like
+    :class:`GatesFailed`, after every output was written; the CLI prints one line and exits 4."""
+
+    exit_code = 4
+    label = "verdict INCONCLUSIVE"
+
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:

@@ -10,6 +10,11 @@ from qwenft.config.base import _check, _check_choice
 from qwenft.config.gates import check_gate_values
 
 
+# eval.bench_limit=auto by device kind: the n a 2-point retention gate needs on a GPU (docs/eval.md, "How many
+# questions a gate needs": n > 9,604 f at flip share f), a sample a CPU pays for in about half a minute a side
+BENCH_LIMIT_AUTO = {"cuda": 1000, "cpu": 64}
+
+
 @dataclass
 class EvalConfig:
     """Evaluation after training (and ``qwenft eval``): perplexity and generation metrics."""
@@ -36,31 +41,55 @@ class EvalConfig:
     bench_data: List[str] = field(default_factory=list)
     bench_missing: str = "error"
     bench_tasks: Optional[str] = None
-    bench_limit: Optional[int] = None   # questions per benchmark, sampled across subjects (seeded), same both sides
+    # questions per benchmark, seeded, the same on both sides: N, null (all) or auto (BENCH_LIMIT_AUTO: 1,000 on a GPU,
+    # enough for a 2-point retention gate to decide when up to ~10% of answers flip; 64 on a CPU, ~30 s a side for
+    # the 0.5B, where a 2-point gate reads INCONCLUSIVE unless the change is large)
+    bench_limit: Any = None
     bench_subtasks: Optional[int] = None  # draw the questions from this many subtasks (subjects; seeded) at most:
     # a subject's 5 shots are computed once for all its questions, so fewer subjects cost less per question
+    bench_block: int = 16  # questions per subject at most: bench_limit comes in blocks from the fewest subjects,
+    # one category after another (qwenft.evaluate.bench_sample); blocks grow past it only when bench_subtasks caps
     bench_seed: int = 0
     bench_chat_template: bool = False   # render benchmark prompts through the chat template (lm-eval's option)
     bench_max_gen_tokens: Optional[int] = None  # cap on generated tokens for generative tasks (null: the task's)
-    # The verdict (qwenft.evaluate.verdict): gates per source / benchmark / retention, e.g.
-    # {domain: {metric: contains_fact, min_delta: 0.2}, retention: {max_drop: 0.02}}; fail_on_gate: exit 3 after
-    # writing everything when a gate fails. A held-out row is right when its primary metric is 1 (contains_fact,
-    # exact_match_number) or >= correct_threshold (char_f1, rouge_l).
-    gates: Dict[str, Any] = field(default_factory=dict)
+    # The verdict (qwenft.evaluate.verdict). targets: the held-out sources the run exists to improve (null: the
+    # first held-out source; []: none); every other source and every benchmark is retention. gates: per source /
+    # benchmark, and `target` (every target without a gate of its own) and `retention` (every other item without
+    # one): delta > min_delta (improved by more than), delta >= -max_drop (dropped no more than), tuned >= min,
+    # each judged on the 95% interval: PASS when all of it meets the condition, FAIL when none does, else
+    # INCONCLUSIVE, as is a gate judged on fewer than min_n rows. fail_on_gate: exit 3 after writing everything
+    # when a gate fails; fail_on_inconclusive: exit 4 when none failed but one is inconclusive. A held-out row is
+    # right (flips.jsonl) when its primary metric is 1 (contains_fact, exact_match_number) or >= correct_threshold.
+    targets: Optional[List[str]] = None
+    gates: Dict[str, Any] = field(default_factory=lambda: {"target": {"min_delta": 0.0},
+                                                           "retention": {"max_drop": 0.02}})
+    min_n: int = 20
     fail_on_gate: bool = False
+    fail_on_inconclusive: bool = False
     correct_threshold: float = 0.5
 
     def __post_init__(self) -> None:
-        _check(self.bench_limit is None or self.bench_limit >= 1, "eval.bench_limit", self.bench_limit,
-               "must be null (every question) or >= 1")
+        if isinstance(self.bench_limit, str) and self.bench_limit.isdigit():
+            self.bench_limit = int(self.bench_limit)
+        _check(self.bench_limit is None or self.bench_limit == "auto"
+               or (isinstance(self.bench_limit, int) and not isinstance(self.bench_limit, bool)
+                   and self.bench_limit >= 1), "eval.bench_limit", self.bench_limit,
+               "must be null (every question), auto (1,000 on a GPU, 64 on a CPU) or an integer >= 1")
         _check(self.bench_subtasks is None or self.bench_subtasks >= 1, "eval.bench_subtasks", self.bench_subtasks,
                "must be null (every subtask) or >= 1")
+        _check(self.bench_block >= 1, "eval.bench_block", self.bench_block, "must be >= 1 (questions per subject)")
         _check(self.bench_max_gen_tokens is None or self.bench_max_gen_tokens >= 1, "eval.bench_max_gen_tokens",
                self.bench_max_gen_tokens, "must be null (the task's) or >= 1")
         _check_choice("eval.bench_missing", self.bench_missing, ("error", "skip"))
         _check(0.0 <= self.correct_threshold <= 1.0, "eval.correct_threshold", self.correct_threshold,
                "must be in [0, 1]")
+        self.gates = {name: gate for name, gate in self.gates.items() if gate is not None}  # NAME=null drops it
         check_gate_values(self.gates)
+        _check(isinstance(self.min_n, int) and not isinstance(self.min_n, bool) and self.min_n >= 1, "eval.min_n",
+               self.min_n, "must be an integer >= 1 (the fewest rows a gate may be decided on)")
+        _check(self.targets is None or (isinstance(self.targets, list) and all(isinstance(t, str) and t
+                                                                              for t in self.targets)),
+               "eval.targets", self.targets, "must be null (the first held-out source), [] or a list of source names")
         for name in self.metrics:
             _check_choice("eval.metrics", name, ("exact_match_number", "char_f1", "rouge_l", "contains_fact"))
         _check(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens,

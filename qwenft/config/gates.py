@@ -1,21 +1,24 @@
 """Checks of ``eval.gates``, the verdict's thresholds (judged by :mod:`qwenft.evaluate.verdict`), at the entry.
 
 A gate is ``NAME: {metric: M, min: X, min_delta: D, max_drop: P}`` (at least one of min / min_delta / max_drop).
-``NAME`` is a held-out source (``data.sources[*].name`` with ``eval_rows > 0``), a benchmark (``eval.benchmarks``)
-or ``retention`` (every benchmark and held-out source without a gate of its own). Both checks run while the
-config is validated, so a bad gate stops the run before any model loads (exit 2).
+``NAME`` is a held-out source (``data.sources[*].name`` with ``eval_rows > 0``), a benchmark (``eval.benchmarks``),
+``target`` (every target, ``eval.targets``, without a gate of its own) or ``retention`` (every other held-out source
+and benchmark without a gate of its own). The checks run while the config is validated, so a bad gate or target
+stops the run before any model loads (exit 2).
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from qwenft.config.base import ConfigError, _check
 
+TARGET = "target"
 RETENTION = "retention"
-CONDITIONS = ("min", "min_delta", "max_drop")  # tuned >= min; delta >= min_delta; delta >= -max_drop
+GROUPS = (TARGET, RETENTION)  # the gates that cover every item without a gate of its own, by role
+CONDITIONS = ("min", "min_delta", "max_drop")  # tuned >= min; delta > min_delta; delta >= -max_drop
 GATE_KEYS = ("metric", *CONDITIONS)
 # The built-in benchmarks' metric and lm-eval filter (lm-eval's task YAMLs: mmlu, ceval-valid, gsm8k); a gate's
 # metric on one of them must be the name the report uses: the metric, with ",FILTER" unless the filter is "none".
@@ -51,7 +54,7 @@ def check_gate_values(gates: Dict[str, Any]) -> None:
                                   f"{', '.join(GATE_KEYS)}")
         conditions = [key for key in CONDITIONS if gate.get(key) is not None]
         _check(bool(conditions), where, gate, "needs at least one of min (tuned >= min), min_delta "
-               "(tuned - base >= min_delta) or max_drop (tuned - base >= -max_drop)")
+               "(tuned - base > min_delta) or max_drop (tuned - base >= -max_drop)")
         for key in conditions:
             value = gate[key]
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
@@ -60,29 +63,54 @@ def check_gate_values(gates: Dict[str, Any]) -> None:
             _check(gate["max_drop"] >= 0, f"{where}.max_drop", gate["max_drop"],
                    "must be >= 0 (the largest drop of tuned below base allowed)")
         if gate.get("metric") is not None:
-            _check(name != RETENTION, f"{where}.metric", gate["metric"],
-                   "retention holds each source and benchmark to its own primary metric; drop metric")
+            _check(name not in GROUPS, f"{where}.metric", gate["metric"],
+                   f"{name} holds each source and benchmark to its own primary metric; drop metric")
             _check(isinstance(gate["metric"], str) and bool(gate["metric"]), f"{where}.metric", gate["metric"],
                    "must be a metric name")
 
 
+def held_out_sources(sources: Sequence[Any]) -> List[str]:
+    """The names of the sources that hold out answers to generate (``eval_rows > 0``, not plain text)."""
+    return [s.name for s in sources if s.eval_rows > 0 and s.format != "text"]
+
+
+def target_names(targets: Optional[Sequence[str]], sources: Sequence[Any]) -> List[str]:
+    """``eval.targets`` resolved: the names listed, or (null) the first held-out source: what the run exists to
+    improve; every other held-out source and every benchmark is retention."""
+    if targets is not None:
+        return list(targets)
+    held_out = held_out_sources(sources)
+    return held_out[:1]
+
+
 def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: Sequence[str],
-                     metrics: Sequence[str]) -> None:
-    """Each gate names something this run evaluates; a source gate's metric is one of ``eval.metrics``.
+                     metrics: Sequence[str], targets: Optional[Sequence[str]] = None) -> None:
+    """Each gate and each of ``eval.targets`` names something this run evaluates; a source gate's metric is one of
+    ``eval.metrics``.
 
     Args:
         sources: the ``data.sources`` (``DataSource``: name, format, eval_rows).
         benchmarks: ``eval.benchmarks``.
         metrics: ``eval.metrics``.
+        targets: ``eval.targets`` (null: the first held-out source).
 
     Raises:
         ConfigError: an unknown name, a source that holds out no generation rows, a name that is both a source and
-            a benchmark, a source gate's metric that is not computed, or a retention gate with nothing to retain.
+            a benchmark, a source or benchmark named ``target`` / ``retention``, or a source gate's metric that is
+            not computed.
     """
     by_name = {s.name: s for s in sources}
-    held_out = [s.name for s in sources if s.eval_rows > 0 and s.format != "text"]
+    held_out = held_out_sources(sources)
+    for name in (*by_name, *benchmarks):
+        if name in GROUPS:
+            raise ConfigError(f"'{name}' names a data source or benchmark, but eval.gates.{name} is the gate of "
+                              f"every {name} item: rename the source")
+    for i, name in enumerate(targets or []):
+        _check(name in held_out or name in benchmarks, f"eval.targets[{i}]", name,
+               f"a target is a held-out source ({', '.join(held_out) or 'none'}) or a benchmark "
+               f"({', '.join(benchmarks) or 'none'})")
     for name, gate in gates.items():
-        if name == RETENTION:
+        if name in GROUPS:
             continue
         where = f"eval.gates.{name}"
         if name in by_name and name in benchmarks:
@@ -104,8 +132,4 @@ def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: 
         else:
             raise ConfigError(f"{where}: no held-out source or benchmark named '{name}'; held-out sources: "
                               f"{', '.join(held_out) or '(none)'}; benchmarks: {', '.join(benchmarks) or '(none)'}; "
-                              f"or {RETENTION}")
-    if RETENTION in gates:
-        retained: List[str] = [*benchmarks, *(s for s in held_out if s not in gates)]
-        _check(bool(retained), f"eval.gates.{RETENTION}", gates[RETENTION],
-               "has nothing to judge: every held-out source has a gate of its own and eval.benchmarks is empty")
+                              f"or {TARGET} / {RETENTION}")

@@ -52,11 +52,23 @@ class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     generate_presets: Dict[str, GenerateConfig] = field(default_factory=dict)
 
+    def check_gates(self) -> None:
+        """The names in ``eval.gates`` and ``eval.targets`` against this config's data and benchmarks
+        (:func:`qwenft.config.gates.check_gate_names`).
+
+        Raises:
+            ConfigError: naming the gate or target.
+        """
+        check_gate_names(self.eval.gates, self.data.sources, self.eval.benchmarks, self.eval.metrics,
+                         self.eval.targets)
+
     def __post_init__(self) -> None:
         _check_choice("command", self.command, COMMANDS)
         _check_choice("logger", self.logger, ("none", "wandb"))
-        if self.command in ("train", "eval"):  # a gate names a held-out source or benchmark of this run
-            check_gate_names(self.eval.gates, self.data.sources, self.eval.benchmarks, self.eval.metrics)
+        # a gate or target names a held-out source or benchmark of this run; `eval` of an adapter reads the data
+        # its run recorded first (qwenft.model.adapter.inference_config checks them then, before any model loads)
+        if self.command == "train" or (self.command == "eval" and not self.adapter):
+            self.check_gates()
         if self.command == "train" and self.data.sources:  # eval may use evaluation-only (weight 0) sources
             _check(sum(s.weight for s in self.data.sources) > 0, "data.sources.weight",
                    [s.weight for s in self.data.sources], "at least one weight must be > 0 to train")

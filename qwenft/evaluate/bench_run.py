@@ -2,56 +2,29 @@
 
 Both sides answer the same questions (:mod:`qwenft.evaluate.bench_tasks`) through the same loaded model
 (:class:`qwenft.evaluate.bench_lm.QwenftLM` over the side :class:`qwenft.generation.engine.Engine` yields), so the
-difference tuned - base is paired by question. Its 95% confidence interval is a paired bootstrap: the per-question
-differences ``d_i = right_tuned_i - right_base_i`` are resampled with replacement ``RESAMPLES`` times (seeded by
-``eval.bench_seed``) and the 2.5th and 97.5th percentiles of the resampled means are reported (Efron & Tibshirani,
-"An Introduction to the Bootstrap", 1993, the percentile interval; Koehn 2004, "Statistical Significance Tests for
-Machine Translation Evaluation", for paired resampling of one test set).
+difference tuned - base is paired by question. Its 95% confidence interval is Newcombe's paired score interval over
+the questions' 2x2 table (right / wrong on each side; :func:`qwenft.evaluate.intervals.paired_interval`), the one the
+verdict's gates are judged on.
+
+The cost the user sees is measured while it runs: each side's wall time over the benchmark (lm-eval's request
+building, the scorer, the answers' bookkeeping) and that time over the questions asked, ``seconds_per_question``; the
+same questions in blocks per subject cost far less each than spread over many subjects
+(:mod:`qwenft.evaluate.bench_sample`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple
 
 from qwenft.config.gates import metric_label
 from qwenft.evaluate.bench_tasks import Benchmark
+from qwenft.evaluate.intervals import paired_interval
 
 log = logging.getLogger(__name__)
 
-RESAMPLES = 10_000
-CI_METHOD = f"paired bootstrap, {RESAMPLES:,} resamples, percentile 95% interval"
-
-
-def paired_ci(base: Sequence[float], tuned: Sequence[float], seed: int = 0,
-              resamples: int = RESAMPLES) -> Tuple[float, float]:
-    """95% percentile-bootstrap interval of ``mean(tuned) - mean(base)`` over paired items (module docstring).
-
-    Args:
-        base, tuned: per-item scores (1/0 for right/wrong), the same items in the same order.
-        seed: seeds numpy's generator (same inputs and seed, same interval).
-        resamples: bootstrap resamples.
-
-    Returns:
-        ``(low, high)``; ``(d, d)`` when every difference is the same ``d``.
-
-    Raises:
-        ValueError: lengths differ or no items.
-    """
-    import numpy as np
-
-    if len(base) != len(tuned) or not base:
-        raise ValueError(f"paired_ci needs equal, non-empty lists; got {len(base)} and {len(tuned)} items")
-    diff = np.asarray(tuned, dtype=np.float64) - np.asarray(base, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = np.empty(resamples)
-    step = max(1, 2_000_000 // len(diff))  # resamples per block: at most ~2 M indices (16 MB) at once
-    for start in range(0, resamples, step):
-        count = min(step, resamples - start)
-        means[start:start + count] = diff[rng.integers(0, len(diff), size=(count, len(diff)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return float(low), float(high)
 
 
 def _choice_text(task, doc, index) -> str:
@@ -126,10 +99,17 @@ class BenchRunner:
             seconds = time.perf_counter() - started
             self.results.setdefault(bench.name, {})[side] = _question_rows(bench, out["samples"])
             self.seconds.setdefault(bench.name, {})[side] = seconds
-            log.info("benchmark %s (%s): %d questions in %.1f s", bench.name, side, bench.questions, seconds)
+            log.info("benchmark %s (%s): %d questions in %.1f s, %.2f s a question (%d subjects)", bench.name, side,
+                     bench.questions, seconds, seconds / max(1, bench.questions), bench.subjects)
 
     def report(self) -> Tuple[Dict[str, Any], Dict[str, List[dict]]]:
-        """``(benchmarks, bench_rows)`` for the evaluation report (keys documented in :mod:`qwenft.evaluate.run`)."""
+        """``(benchmarks, bench_rows)`` for the evaluation report (keys documented in :mod:`qwenft.evaluate.run`).
+
+        Each benchmark's entry also holds its cost: ``seconds`` (wall seconds by side) and ``seconds_per_question``
+        (those seconds over ``n``, by side), and how its questions were drawn: ``subtasks`` (subjects asked) and
+        ``categories`` (subjects asked per category, :func:`qwenft.evaluate.bench_sample.category_of`; ``""``:
+        uncategorised).
+        """
         summary: Dict[str, Any] = {}
         rows_out: Dict[str, List[dict]] = {}
         for bench in self.benchmarks:
@@ -137,17 +117,21 @@ class BenchRunner:
             if not by_side:
                 continue
             ids = sorted(next(iter(by_side.values())))
+            seconds = self.seconds.get(bench.name, {})
             entry: Dict[str, Any] = {"metric": metric_label(bench.metric, bench.filter),
                                      "n": len(ids), "subtasks": bench.subjects, "shots": bench.shots,
-                                     "source": bench.source, "seconds": self.seconds.get(bench.name, {})}
+                                     "source": bench.source, "seconds": seconds,
+                                     "seconds_per_question": {side: s / len(ids) for side, s in seconds.items()
+                                                              if ids},
+                                     "categories": dict(sorted(Counter(bench.categories.values()).items()))}
             scores = {}
             for side, rows in by_side.items():
                 scores[side] = [1.0 if rows[i]["correct"] else 0.0 for i in ids]
                 entry[side] = sum(scores[side]) / len(ids) if ids else None
             if "base" in scores and "tuned" in scores and ids:
                 entry["delta"] = entry["tuned"] - entry["base"]
-                entry["ci95"] = list(paired_ci(scores["base"], scores["tuned"], self.seed))
-                entry["ci_method"] = CI_METHOD
+                interval, entry["ci_method"] = paired_interval(scores["base"], scores["tuned"], self.seed)
+                entry["ci95"] = list(interval)
             summary[bench.name] = entry
             rows_out[bench.name] = []
             for i in ids:

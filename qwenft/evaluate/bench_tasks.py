@@ -20,8 +20,9 @@ Prompts, few-shot formatting, answer extraction and metrics are lm-eval's own ta
 installed lm-eval package with only the data source replaced. Any other name is an lm-eval task (or group) found in
 ``eval.bench_tasks`` (a directory of task YAMLs) or in lm-eval's registry, which loads its own data (online).
 
-``eval.bench_limit=N`` asks N questions per benchmark, drawn across its subtasks (subjects) round-robin in a seeded
-order (``eval.bench_subtasks=K``: from K of them): both sides get the same questions.
+``eval.bench_limit=N`` asks N questions per benchmark in blocks of at most ``eval.bench_block`` per subject, from
+as few subjects as hold them, taken from the benchmark's categories in turn, all seeded (``eval.bench_subtasks=K``:
+from K subjects at most): both sides get the same questions (:mod:`qwenft.evaluate.bench_sample`).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import csv
 import io
 import json
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from qwenft.config import Config, ConfigError, QwenftError
 from qwenft.config.gates import BUILTIN_BENCHMARKS
+from qwenft.evaluate.bench_sample import category_of, plan_line, resolve_limit, select, warn_subtasks
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Benchmark:
         metric: the per-question metric that decides right / wrong (``acc``, ``exact_match``).
         filter: the lm-eval filter whose answers are scored (``none``, ``strict-match``).
         source: where the questions come from (a directory, or ``lm-eval registry``).
+        categories: the category of each asked task (:func:`qwenft.evaluate.bench_sample.category_of`; ``""``: none).
     """
 
     name: str
@@ -63,6 +65,7 @@ class Benchmark:
     filter: str
     source: str
     shots: Optional[int] = None
+    categories: Dict[str, str] = field(default_factory=dict)
     subjects: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -283,36 +286,6 @@ def _metric_of(task) -> tuple:
     return metrics[0]["metric"], filters[0].get("name", "none")
 
 
-def select(doc_counts: Dict[str, int], limit: Optional[int], seed: int,
-           subtasks: Optional[int] = None) -> Dict[str, List[int]]:
-    """``limit`` doc indices spread over the tasks: each task's indices in a seeded order, the tasks in a seeded
-    order (the first ``subtasks`` of it only, when given), taken round-robin; every index when ``limit`` is None.
-    The same arguments give the same selection.
-
-    Returns:
-        Sorted indices by task name, only tasks with at least one.
-    """
-    orders = {}
-    for task, count in doc_counts.items():
-        ids = list(range(count))
-        random.Random(f"{seed}:{task}").shuffle(ids)
-        orders[task] = ids
-    names = sorted(orders)
-    random.Random(seed).shuffle(names)
-    names = names[:subtasks] if subtasks else names
-    total = sum(doc_counts[name] for name in names)
-    want = total if limit is None else min(limit, total)
-    picked: Dict[str, List[int]] = {name: [] for name in names}
-    depth, taken = 0, 0
-    while taken < want:
-        for name in names:
-            if taken < want and depth < len(orders[name]):
-                picked[name].append(orders[name][depth])
-                taken += 1
-        depth += 1
-    return {name: sorted(ids) for name, ids in picked.items() if ids}
-
-
 def _docs(task) -> int:
     docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
     return len(docs)
@@ -324,18 +297,6 @@ class _CustomDatasetNotice(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
-
-
-def _warn_subtasks(config: Config, name: str, available: int) -> None:
-    """A warning when ``eval.bench_subtasks`` asks for more subjects than there are, or than ``eval.bench_limit``
-    questions can reach (one question per subject at most then)."""
-    wanted, limit = config.eval.bench_subtasks, config.eval.bench_limit
-    if wanted and wanted > available:
-        log.warning("eval.bench_subtasks=%d but %s has %d subtasks: all %d are used", wanted, name, available,
-                    available)
-    if wanted and limit and limit < min(wanted, available):
-        log.warning("eval.bench_limit=%d < eval.bench_subtasks=%d: %s draws one question from each of %d subtasks",
-                    limit, wanted, name, limit)
 
 
 def prepare(config: Config) -> List[Benchmark]:
@@ -377,10 +338,13 @@ def prepare(config: Config) -> List[Benchmark]:
             metric, filter_name = _metric_of(next(iter(tasks.values())))
             source, shots = config.eval.bench_tasks or "lm-eval registry", None
         counts = {t: _docs(task) for t, task in tasks.items()}
-        samples = select(counts, config.eval.bench_limit, config.eval.bench_seed, config.eval.bench_subtasks)
-        _warn_subtasks(config, name, len(counts))
+        categories = {t: category_of(name, t, task) for t, task in tasks.items()}
+        ev = config.eval
+        samples = select(counts, resolve_limit(config), ev.bench_seed, ev.bench_subtasks, ev.bench_block, categories)
+        warn_subtasks(config, name, len(counts))
         tasks = {t: task for t, task in tasks.items() if t in samples}
-        bench = Benchmark(name, tasks, samples, metric, filter_name, source, shots)
-        log.info("benchmark %s: %d questions from %d subtasks (%s)", name, bench.questions, bench.subjects, source)
+        bench = Benchmark(name, tasks, samples, metric, filter_name, source, shots,
+                          {t: categories[t] for t in samples})
+        log.info("%s (%s)", plan_line(name, samples, categories, config), source)
         out.append(bench)
     return out

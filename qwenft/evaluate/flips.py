@@ -41,7 +41,7 @@ def find_flips(config: Config, report: Dict[str, Any]) -> Dict[str, Dict[str, An
                 "id": row.get("id"), "question": row.get("question"), "reference": row.get("reference"),
                 "base": row["base"].get("answer"), "tuned": row["tuned"].get("answer")})
     for name, rows in (report.get("rows") or {}).items():
-        metric = primary_metric(config, name, (report.get("sources") or {}).get(name) or {})
+        metric = primary_metric(config, name, (report.get("sources") or {}).get(name) or {}, rows)
         threshold = config.eval.correct_threshold
         pairs = [(row, is_right(metric, row["base"].get(metric), threshold),
                   is_right(metric, row["tuned"].get(metric), threshold))

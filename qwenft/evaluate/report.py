@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config
 from qwenft.evaluate.flips import find_flips, flip_counts, flip_lines, write_flips
-from qwenft.evaluate.verdict import benchmark_lines, judge, verdict_lines
-from qwenft.evaluate.verdict import log_wandb as log_verdict
+from qwenft.evaluate.verdict import judge
+from qwenft.evaluate.verdict_text import benchmark_lines, verdict_lines
+from qwenft.evaluate.verdict_text import log_wandb as log_verdict
 from qwenft.files import atomic_write_text, publish_mode, temp_path
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,66 @@ def adapter_line(config: Config, adapter_dir: Path) -> str:
     return f"- LoRA: r={lora['r']}, lora_alpha={lora['lora_alpha']}, targets={targets}{trained}"
 
 
+def settings_from(config: Config) -> Dict[str, Any]:
+    """metrics.json's ``eval.settings_from``: where this evaluation's eval settings came from (the run's own config
+    after ``train``; for ``eval``, the settings the adapter's run recorded with the keys typed on top, or this
+    command's and why), by the rule :func:`qwenft.model.eval_record.restore_eval` applied
+    (:func:`qwenft.model.eval_record.settings_origin`)."""
+    from qwenft.model.adapter import ADAPTER_META, typed_keys, typed_overrides
+    from qwenft.model.eval_record import settings_origin
+
+    source = Path(config.adapter).expanduser() / ADAPTER_META if config.adapter else None
+    meta = _json_file(source) if source is not None and source.is_file() else None
+    typed = typed_overrides()
+    return settings_origin(config, meta, source, typed_keys(typed) if typed is not None else None)
+
+
+def settings_line(origin: Optional[Dict[str, Any]]) -> str:
+    """report.md's line on where the eval settings came from (``eval.settings_from``, :func:`settings_from`)."""
+    if not origin:
+        return "- eval settings: not recorded"
+    if origin["from"] == "run":
+        return (f"- eval settings: this run's, recorded in `{origin['file']}` (a later `qwenft eval adapter=...` "
+                "starts from them)")
+    if origin["from"] == "adapter":
+        typed = ", ".join(f"`{k}`" for k in origin["typed"])
+        line = (f"- eval settings: the adapter's run's (recorded in `{origin['file']}`); "
+                + (f"typed on top: {typed}" if typed else "nothing typed on top"))
+        if origin.get("not_recorded"):
+            line += f"; not recorded by that run, so this command's: {', '.join(origin['not_recorded'])}"
+        return line
+    line = f"- eval settings: this command's ({origin['why']})"
+    if origin.get("differs"):
+        line += f"; they differ from the recorded ones in {', '.join(origin['differs'])}"
+    return line
+
+
+def sampler_line(config: Config) -> str:
+    """report.md's line on the sampler the held-out answers were generated with: the preset's name, its values that
+    are set, and the answer length (``eval.max_new_tokens``, else the preset's: as
+    :func:`qwenft.evaluate.run.generate_preset` applies it)."""
+    preset = config.generate_presets.get(config.eval.generate)
+    if preset is None:  # refused before the evaluation ran (check_settings); the line never fails the report
+        return f"- sampler for evaluation: preset `{config.eval.generate}`"
+    shown = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    values = [f"{k}={getattr(preset, k)}" for k in shown if getattr(preset, k) is not None]
+    values.append(f"max_new_tokens={config.eval.max_new_tokens or preset.max_new_tokens}")
+    return f"- sampler for evaluation: preset `{config.eval.generate}` ({', '.join(values)})"
+
+
+def final_loss_text(train: Dict[str, Any]) -> str:
+    """``final train loss X (step N)``: the loss logged at the last step (the trainer logs it,
+    :class:`qwenft.train.callbacks.LogLastStep`), the mean over the steps since the log before it when more than
+    one (``steps A-N``); nats per supervised token."""
+    loss, step, first = train.get("final_loss"), train.get("final_loss_step"), train.get("final_loss_from_step")
+    if loss is None:
+        return "final train loss n/a (no step logged)"
+    if step is None:  # metrics.json of an older run
+        return f"final train loss {_fmt(loss)}"
+    where = f"steps {first}-{step}, their mean" if isinstance(first, int) and first < step else f"step {step}"
+    return f"final train loss {_fmt(loss)} ({where})"
+
+
 def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[dict]], plots: Dict[str, Path],
                   flips: Optional[Dict[str, Dict[str, Any]]] = None) -> str:
     """report.md as text: the verdict first (:func:`qwenft.evaluate.verdict.verdict_lines`), model, tables per
@@ -147,7 +208,8 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
     samples.
 
     The model line is what this evaluation ran; the adapter's LoRA settings and the base and quantization it was
-    trained on are read from the adapter directory (:func:`adapter_line`).
+    trained on are read from the adapter directory (:func:`adapter_line`); the sampler line gives the preset's
+    values (:func:`sampler_line`), the next where the eval settings came from (:func:`settings_line`).
     """
     ev = metrics["eval"]
     tuned = config.adapter or metrics.get("train")  # an adapter was evaluated (given, or trained by this run)
@@ -169,11 +231,11 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
         from qwenft.memory import describe_peaks
 
         lines.append(describe_peaks(metrics["memory"]))
-    lines += [f"- sampler for evaluation: preset `{config.eval.generate}`", ""]
+    lines += [sampler_line(config), settings_line(ev.get("settings_from")), ""]
     train = metrics.get("train")
     if train:
         lines += ["## Training", "",
-                  f"{train['global_step']} steps, final train loss {_fmt(train.get('final_loss'))}, "
+                  f"{train['global_step']} steps, {final_loss_text(train)}, "
                   f"{train.get('train_tokens')} tokens in {train.get('train_seconds')} s "
                   f"({train.get('tokens_per_s')} tokens/s).", ""]
         if "loss" in plots:
@@ -219,9 +281,10 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict[str, Any]:
-    """Write metrics.json (merged with training's), generations.jsonl, benchmarks.jsonl, flips.jsonl, report.md and PNGs into
-    ``out_dir``. metrics.json's ``eval`` adds ``benchmarks`` (when run), the verdict (``gates``, ``passed``,
-    ``failed``, ``score``: :func:`qwenft.evaluate.verdict.judge`) and ``flips`` (counts; both sides only).
+    """Write metrics.json (merged with training's), generations.jsonl, benchmarks.jsonl, flips.jsonl, report.md and
+    PNGs into ``out_dir``. metrics.json's ``eval`` adds ``settings_from`` (:func:`settings_from`), ``benchmarks`` (when run),
+    the verdict (``gates``, ``passed``, ``failed``, ``score``: :func:`qwenft.evaluate.verdict.judge`) and ``flips``
+    (counts; both sides only).
 
     Returns:
         The full metrics dict written to metrics.json.
@@ -230,7 +293,8 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
     path = out_dir / "metrics.json"
     metrics = json.loads(path.read_text()) if path.is_file() else {}
     metrics["eval"] = {"sources": report["sources"], "perplexity": report["perplexity"],
-                       **({"engine": report["engine"]} if "engine" in report else {})}
+                       **({"engine": report["engine"]} if "engine" in report else {}),
+                       "settings_from": settings_from(config)}
     metrics["memory"] = {**metrics.get("memory", {}), **report.get("memory", {})}  # each phase's peak: train, eval
     if report.get("benchmarks"):
         metrics["eval"]["benchmarks"] = report["benchmarks"]

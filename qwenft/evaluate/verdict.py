@@ -1,26 +1,38 @@
-"""The verdict of an evaluation: ``eval.gates`` judged, and ``eval.score``, the one number W&B sweeps maximise.
+"""The verdict of an evaluation: ``eval.gates`` judged on 95% intervals, and ``eval.score``, the one number W&B sweeps
+maximise.
 
-An *item* is a held-out source or a benchmark, judged on its *primary metric*:
+An *item* is a held-out source or a benchmark. Its *role* is ``target`` (``eval.targets``: what the run exists to
+improve; null, the first held-out source) or ``retention`` (every other source and every benchmark: what must not
+get worse). It is judged on its *primary metric*:
 
-- a benchmark: the metric it reports (``acc``, ``exact_match,strict-match``, ...);
-- a source: its gate's ``metric``, else the first of ``eval.metrics`` with a value (not n/a) for the source. A row
-  is right when that metric is 1 (contains_fact, exact_match_number) or >= ``eval.correct_threshold`` (char_f1,
-  rouge_l); :mod:`qwenft.evaluate.flips` lists the rows that changed.
+- a benchmark: the metric it reports (``acc``, ``exact_match,strict-match``, ...), over its questions;
+- a source: its gate's ``metric``, else the first of ``eval.metrics`` that applies to at least ``eval.min_n`` of its
+  rows (a metric applies to a row where it is defined: ``exact_match_number`` where the reference states a number,
+  ``contains_fact`` where the row gives a fact), else the one that applies to the most rows. n counts the rows it
+  applies to; the others are not judged by it.
 
-A gate ``NAME: {metric, min, min_delta, max_drop}`` holds the item NAME to: tuned >= min, delta >= min_delta,
-delta >= -max_drop (delta = tuned - base of the primary metric's mean; compared with a 1e-9 tolerance). The gate
-``retention`` holds every benchmark and every held-out source without a gate of its own to its conditions. A
-base-only evaluation (no adapter) judges nothing ("not judged: no tuned side") and never fails.
+A gate ``{metric, min, min_delta, max_drop}`` asks tuned >= min, delta > min_delta (improved by more than),
+delta >= -max_drop (dropped no more than), with delta = tuned - base over the same rows. ``target`` is the gate of
+every target without a gate of its own, ``retention`` that of every other item without one. Each condition is
+judged on its value's 95% interval (:mod:`qwenft.evaluate.intervals`: Newcombe's paired interval for right/wrong
+rows, Wilson's for a right/wrong mean, a bootstrap over rows for char_f1 / rouge_l):
+
+- PASS: the whole interval meets the condition; FAIL: none of it does; INCONCLUSIVE: it straddles the threshold,
+  with about the n that would decide at the observed effect (:func:`qwenft.evaluate.intervals.n_to_decide`);
+- an item judged on fewer than ``eval.min_n`` rows is INCONCLUSIVE, never PASS; no tuned side: not judged.
+
+An item's result is FAIL if a condition fails, else INCONCLUSIVE if one is, else PASS; a gate's is the same over its
+items, and the verdict's over the gates (no gates: "no gates"; none judged: "not judged").
 
 Score (``eval.score``, logged to W&B as :data:`SCORE_KEY`)::
 
     score = T + R
-    T = mean over the target sources of the tuned primary metric's mean
-        (target sources: the held-out sources with a gate of their own; none gated: every held-out source)
-    R = mean over the retention items (every benchmark, every held-out source not in T) of min(0, delta)
+    T = mean over the target items of the tuned primary metric's mean
+    R = mean over the retention items of min(0, delta)
 
-so the score rewards learning the target data and is lowered only by drops elsewhere. An empty T or R counts 0; no
-tuned value anywhere (base only): null.
+a point estimate over fixed rows (no interval, no gate enters it), so runs of one sweep on the same held-out data
+compare; it rewards learning the targets and is lowered only by drops elsewhere. An empty T or R counts 0; no tuned
+value anywhere (base only): null.
 """
 
 from __future__ import annotations
@@ -28,25 +40,47 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-from qwenft.config import Config, GatesFailed
-from qwenft.config.gates import CONDITIONS, RETENTION
+from qwenft.config import Config, GatesFailed, GatesInconclusive
+from qwenft.config.gates import CONDITIONS, GROUPS, RETENTION, TARGET, target_names
+import qwenft.evaluate.intervals as intervals
 
 log = logging.getLogger(__name__)
 
 SCORE_KEY = "eval/score"  # the W&B key of eval.score: recipes/sweeps/*.yaml maximise exactly this
 BINARY_METRICS = ("contains_fact", "exact_match_number")  # 0/1 per row; the others are right at a threshold
-TOLERANCE = 1e-9  # 0.75 - 0.55 must pass min_delta 0.2
-NOT_JUDGED = "not judged"
+TOLERANCE = 1e-9  # 0.75 - 0.55 meets a threshold of 0.2
+PASS, FAIL, INCONCLUSIVE, NOT_JUDGED = "pass", "fail", "inconclusive", "not judged"
+NO_GATES = "no gates"
 
 
-def primary_metric(config: Config, source: str, by_side: Dict[str, Dict[str, Any]]) -> Optional[str]:
-    """A held-out source's primary metric: its gate's ``metric``, else the first of ``eval.metrics`` whose mean is
-    not None on a side (``by_side``: ``report["sources"][source]``); None when every metric is n/a."""
+def _sides(row: Dict[str, Any]) -> List[str]:
+    return [s for s in ("base", "tuned") if s in row]
+
+
+def metric_counts(config: Config, rows: Sequence[Dict[str, Any]]) -> Dict[str, int]:
+    """Per metric of ``eval.metrics``, the rows it applies to: a value (not None) on every side the row has."""
+    return {m: sum(bool(_sides(row)) and all((row[s] or {}).get(m) is not None for s in _sides(row)) for row in rows)
+            for m in config.eval.metrics}
+
+
+def primary_metric(config: Config, source: str, by_side: Dict[str, Dict[str, Any]],
+                   rows: Optional[Sequence[Dict[str, Any]]] = None) -> Optional[str]:
+    """A held-out source's primary metric (module docstring): its gate's ``metric``, else the first of
+    ``eval.metrics`` applying to at least ``eval.min_n`` of ``rows`` (``report["rows"][source]``), else the one
+    applying to the most; None when none applies to any row. Without ``rows``, the first metric whose mean
+    (``by_side``: ``report["sources"][source]``) is not None on a side."""
     gate = config.eval.gates.get(source) or {}
     if gate.get("metric"):
         return gate["metric"]
+    if rows:
+        counts = metric_counts(config, rows)
+        enough = [m for m in config.eval.metrics if counts[m] >= config.eval.min_n]
+        if enough:
+            return enough[0]
+        best = max(config.eval.metrics, key=lambda m: counts[m], default=None)  # the first of the largest
+        return best if best is not None and counts[best] > 0 else None
     return next((m for m in config.eval.metrics
                  if any((by_side.get(side) or {}).get(m) is not None for side in ("base", "tuned"))), None)
 
@@ -61,220 +95,198 @@ def is_right(metric: str, value: Optional[float], threshold: float) -> Optional[
     return value >= threshold - TOLERANCE
 
 
-def items(config: Config, report: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every held-out source and benchmark of ``report`` (what :func:`qwenft.evaluate.run.evaluate` returns) on its
-    primary metric: ``{"name", "kind": "source" | "benchmark", "metric", "n", "base", "tuned", "delta", "ci95",
-    "ci_method", "has_tuned"}``; ``n`` counts the rows (questions) the metric was scored on; values are None where
-    missing (a side that did not run, a metric that is n/a)."""
-    out: List[Dict[str, Any]] = []
-    for name, by_side in report.get("sources", {}).items():
-        metric = primary_metric(config, name, by_side)
-        rows = report.get("rows", {}).get(name) or []
-        first = next((by_side[s] for s in ("base", "tuned") if s in by_side), {})
-        n = (sum(any((row.get(s) or {}).get(metric) is not None for s in ("base", "tuned")) for row in rows)
-             if rows else first.get("rows", 0))
-        out.append({"name": name, "kind": "source", "metric": metric, "n": n,
-                    "base": (by_side.get("base") or {}).get(metric), "tuned": (by_side.get("tuned") or {}).get(metric),
-                    "delta": (by_side.get("delta") or {}).get(metric), "ci95": None, "ci_method": None,
-                    "has_tuned": "tuned" in by_side})
-    for name, bench in (report.get("benchmarks") or {}).items():
-        out.append({"name": name, "kind": "benchmark", "metric": bench.get("metric"), "n": bench.get("n"),
-                    "base": bench.get("base"), "tuned": bench.get("tuned"), "delta": bench.get("delta"),
-                    "ci95": bench.get("ci95"), "ci_method": bench.get("ci_method"), "has_tuned": "tuned" in bench})
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def _paired(base: List[float], tuned: List[float], has_tuned: bool, seed: int) -> Dict[str, Any]:
+    """Means, delta and the intervals of paired per-row values (``tuned`` empty when there is no tuned side)."""
+    out: Dict[str, Any] = {"n": len(base), "base": _mean(base), "tuned": None, "delta": None, "ci95": None,
+                           "ci_method": None, "tuned_ci95": None}
+    if has_tuned and tuned:
+        (low, high), method = intervals.paired_interval(base, tuned, seed)
+        (t_low, t_high), _ = intervals.mean_interval(tuned, seed)
+        out.update(tuned=_mean(tuned), delta=_mean(tuned) - _mean(base), ci95=[low, high], ci_method=method,
+                   tuned_ci95=[t_low, t_high])
     return out
 
 
-def _judge_item(item: Dict[str, Any], gate: Dict[str, Any]) -> Dict[str, Any]:
-    """One item against one gate's conditions: the item plus ``checks`` and ``status`` (pass / fail / not judged)."""
-    checks, reason = [], None
-    for key in CONDITIONS:
-        if gate.get(key) is None:
-            continue
-        threshold = -float(gate[key]) if key == "max_drop" else float(gate[key])
-        value = item["tuned"] if key == "min" else item["delta"]
-        passed = None if value is None else value >= threshold - TOLERANCE
-        checks.append({"condition": key, "limit": gate[key], "value": value, "threshold": threshold,
-                       "passed": passed})
+def items(config: Config, report: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every held-out source and benchmark of ``report`` (what :func:`qwenft.evaluate.run.evaluate` returns) on its
+    primary metric: ``{"name", "kind": "source" | "benchmark", "role": "target" | "retention", "metric", "n",
+    "base", "tuned", "delta", "ci95" (delta's), "ci_method", "tuned_ci95", "has_tuned"}``. ``n`` counts the rows
+    (questions) the metric applies to on every side; base / tuned / delta are means over those rows; values are
+    None where missing (a side that did not run, a metric no row has)."""
+    targets = set(target_names(config.eval.targets, config.data.sources))
+    seed = config.eval.bench_seed
+    out: List[Dict[str, Any]] = []
+    for name, by_side in report.get("sources", {}).items():
+        rows = report.get("rows", {}).get(name) or []
+        metric = primary_metric(config, name, by_side, rows)
+        has_tuned = "tuned" in by_side
+        if rows and metric:
+            both = [r for r in rows if _sides(r) and all((r[s] or {}).get(metric) is not None for s in _sides(r))]
+            values = _paired([r["base"][metric] for r in both if "base" in r],
+                             [r["tuned"][metric] for r in both if "tuned" in r], has_tuned, seed)
+        else:  # no per-row results: the summary's means, without an interval
+            values = {"n": 0 if not metric else (next(iter(by_side.values()), {}) or {}).get("rows", 0),
+                      "base": (by_side.get("base") or {}).get(metric), "tuned": (by_side.get("tuned") or {}).get(metric),
+                      "delta": (by_side.get("delta") or {}).get(metric), "ci95": None, "ci_method": None,
+                      "tuned_ci95": None}
+        out.append({"name": name, "kind": "source", "role": TARGET if name in targets else RETENTION,
+                    "metric": metric, **values, "has_tuned": has_tuned})
+    for name, bench in (report.get("benchmarks") or {}).items():
+        rows = (report.get("bench_rows") or {}).get(name) or []
+        has_tuned = "tuned" in bench
+        paired = [r for r in rows if "base" in r and (not has_tuned or "tuned" in r)]
+        if paired:
+            values = _paired([float(bool(r["base"].get("correct"))) for r in paired],
+                             [float(bool(r["tuned"].get("correct"))) for r in paired if "tuned" in r], has_tuned, seed)
+        else:
+            values = {"n": bench.get("n"), "base": bench.get("base"), "tuned": bench.get("tuned"),
+                      "delta": bench.get("delta"), "ci95": bench.get("ci95"), "ci_method": bench.get("ci_method"),
+                      "tuned_ci95": None}
+        out.append({"name": name, "kind": "benchmark", "role": TARGET if name in targets else RETENTION,
+                    "metric": bench.get("metric"), **values, "has_tuned": has_tuned})
+    return out
+
+
+def _judge_condition(item: Dict[str, Any], key: str, limit: float) -> Dict[str, Any]:
+    """One condition of a gate on one item: its value, interval, threshold, status and (inconclusive) n to decide."""
+    if key == "min":
+        value, interval, threshold = item["tuned"], item.get("tuned_ci95"), float(limit)
+    else:
+        value, interval = item["delta"], item.get("ci95")
+        threshold = float(limit) if key == "min_delta" else -float(limit)
+    check: Dict[str, Any] = {"condition": key, "limit": limit, "threshold": threshold, "value": value,
+                             "interval": interval, "status": INCONCLUSIVE, "n_to_decide": None}
+    if value is None:
+        return check
+    low, high = interval if interval else (value, value)
+    if key == "min_delta":  # strictly above: an interval [0, 0] has not improved
+        passed, failed = low > threshold + TOLERANCE, high <= threshold + TOLERANCE
+    else:
+        passed, failed = low >= threshold - TOLERANCE, high < threshold - TOLERANCE
+    check["status"] = PASS if passed else FAIL if failed else INCONCLUSIVE
+    if check["status"] == INCONCLUSIVE and item.get("n"):
+        check["n_to_decide"] = intervals.n_to_decide(item["n"], value, (low, high), threshold)
+    return check
+
+
+def _combine(statuses: Sequence[str]) -> str:
+    """FAIL if any failed, else INCONCLUSIVE if any was, else PASS if any passed, else not judged."""
+    for status in (FAIL, INCONCLUSIVE, PASS):
+        if status in statuses:
+            return status
+    return NOT_JUDGED
+
+
+def _judge_item(item: Dict[str, Any], gate: Dict[str, Any], min_n: int) -> Dict[str, Any]:
+    """One item against one gate: the item plus ``checks``, ``status``, ``reason`` and ``n_to_decide``."""
+    checks = [_judge_condition(item, key, gate[key]) for key in CONDITIONS if gate.get(key) is not None]
+    reason, n_to_decide = None, None
     if not item["has_tuned"]:
         status, reason = NOT_JUDGED, "no tuned side"
     elif gate.get("metric") and item["kind"] == "benchmark" and gate["metric"] != item["metric"]:
-        status, reason = "fail", f"the benchmark reports {item['metric']}, not {gate['metric']}"
-    elif any(c["passed"] is None for c in checks):
-        status, reason = "fail", f"{item['metric']} has no value on both sides (n/a)"
+        status, reason = FAIL, f"the benchmark reports {item['metric']}, not {gate['metric']}"
+    elif not item["n"] or item["delta"] is None:
+        status, reason = INCONCLUSIVE, (f"no row has a value of {item['metric']}" if item["metric"]
+                                        else "no metric of eval.metrics applies to any row")
+        n_to_decide = min_n
+    elif item["n"] < min_n:
+        status, reason = INCONCLUSIVE, f"n = {item['n']} < eval.min_n = {min_n}"
+        known = [c["n_to_decide"] for c in checks if c["n_to_decide"] is not None]
+        n_to_decide = max([min_n, *known])
     else:
-        status = "pass" if all(c["passed"] for c in checks) else "fail"
-    return {**item, "checks": checks, "status": status, "reason": reason}
+        status = _combine([c["status"] for c in checks])
+        open_checks = [c for c in checks if c["status"] == INCONCLUSIVE]
+        if open_checks:
+            known = [c["n_to_decide"] for c in open_checks]
+            n_to_decide = None if None in known else max(known)
+            if n_to_decide is None:
+                reason = "the observed value is the threshold itself: more rows would not decide"
+    return {**item, "checks": checks, "status": status, "reason": reason, "n_to_decide": n_to_decide}
 
 
 def judge(config: Config, report: Dict[str, Any]) -> Dict[str, Any]:
-    """The verdict of ``report``: ``{"gates": {name: gate}, "passed": bool, "failed": [names], "score": float|None}``.
+    """The verdict of ``report``: ``{"verdict": "PASS" | "FAIL" | "INCONCLUSIVE" | "not judged" | "no gates",
+    "gates": {name: gate}, "passed": bool (verdict PASS), "failed": [names], "inconclusive": [names], "min_n",
+    "targets": [names], "score": float | None}``.
 
-    A gate is ``{"conditions": {...}, "status": "pass" | "fail" | "not judged", "reason", "items": [item +
-    checks]}``: a source or benchmark gate has one item, ``retention`` one per item it covers. ``passed`` is False
-    when a gate failed (a gate not judged fails nothing). See the module docstring for the score.
+    A gate is ``{"role", "conditions": {...}, "status": "pass" | "fail" | "inconclusive" | "not judged", "reason",
+    "items": [item + checks]}``: a source or benchmark gate has one item, ``target`` / ``retention`` one per item of
+    that role without a gate of its own. See the module docstring for the rules and the score.
     """
     found = items(config, report)
+    min_n = config.eval.min_n
     gates: Dict[str, Any] = {}
     for name, gate in config.eval.gates.items():
         conditions = {k: gate[k] for k in ("metric", *CONDITIONS) if gate.get(k) is not None}
-        if name == RETENTION:
-            covered = [i for i in found if i["name"] not in config.eval.gates]
+        if name in GROUPS:
+            covered = [i for i in found if i["role"] == name and i["name"] not in config.eval.gates]
+            role = name
         else:
             covered = [i for i in found if i["name"] == name][:1]
-        judged = [_judge_item(item, gate) for item in covered]
-        statuses = {j["status"] for j in judged}
-        status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else NOT_JUDGED
+            role = covered[0]["role"] if covered else None
+        judged = [_judge_item(item, gate, min_n) for item in covered]
+        status = _combine([j["status"] for j in judged])
         reason = None
         if status == NOT_JUDGED:
-            reason = "no tuned side" if judged else f"nothing to judge: no {name} results in this evaluation"
-        gates[name] = {"conditions": conditions, "status": status, "reason": reason, "items": judged}
-    failed = [name for name, gate in gates.items() if gate["status"] == "fail"]
-    return {"gates": gates, "passed": not failed, "failed": failed, "score": score(config, found)}
+            reason = "no tuned side" if judged else _nothing_to_judge(name)
+        gates[name] = {"role": role, "conditions": conditions, "status": status, "reason": reason, "items": judged}
+    failed = [name for name, gate in gates.items() if gate["status"] == FAIL]
+    undecided = [name for name, gate in gates.items() if gate["status"] == INCONCLUSIVE]
+    overall = _combine([g["status"] for g in gates.values()])
+    verdict = NO_GATES if not gates else overall.upper() if overall != NOT_JUDGED else NOT_JUDGED
+    return {"verdict": verdict, "gates": gates, "passed": verdict == PASS.upper(), "failed": failed,
+            "inconclusive": undecided, "min_n": min_n,
+            "targets": [i["name"] for i in found if i["role"] == TARGET], "score": score(found)}
 
 
-def score(config: Config, found: List[Dict[str, Any]]) -> Optional[float]:
+def _nothing_to_judge(name: str) -> str:
+    if name == TARGET:
+        return "nothing to judge: no target without a gate of its own (eval.targets)"
+    if name == RETENTION:
+        return "nothing to judge: no other held-out source or benchmark without a gate of its own"
+    return f"nothing to judge: no {name} results in this evaluation"
+
+
+def score(found: List[Dict[str, Any]]) -> Optional[float]:
     """``eval.score = T + R`` over :func:`items` (formula in the module docstring); None when no item has a tuned
     value."""
     if not any(i["tuned"] is not None for i in found):
         return None
-    sources = [i for i in found if i["kind"] == "source"]
-    targets = [i for i in sources if i["name"] in config.eval.gates and i["name"] != RETENTION] or sources
-    tuned = [i["tuned"] for i in targets if i["tuned"] is not None]
-    in_t = {id(i) for i in targets}
-    drops = [min(0.0, i["delta"]) for i in found if id(i) not in in_t and i["delta"] is not None]
+    tuned = [i["tuned"] for i in found if i["role"] == TARGET and i["tuned"] is not None]
+    drops = [min(0.0, i["delta"]) for i in found if i["role"] != TARGET and i["delta"] is not None]
     return (sum(tuned) / len(tuned) if tuned else 0.0) + (sum(drops) / len(drops) if drops else 0.0)
 
 
-def _num(value: Any, signed: bool = False) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:+.3f}" if signed else f"{value:.3f}"
-
-
-def _ci(ci95: Any) -> str:
-    return f"[{ci95[0]:+.3f}, {ci95[1]:+.3f}]" if ci95 else ""
-
-
-def _threshold_text(checks: List[Dict[str, Any]]) -> str:
-    words = {"min": "tuned", "min_delta": "delta", "max_drop": "delta"}
-    return "; ".join(f"{words[c['condition']]} >= {_num(c['threshold'], signed=c['condition'] != 'min')}"
-                     for c in checks)
-
-
-def verdict_lines(config: Config, ev: Dict[str, Any]) -> List[str]:
-    """report.md's opening section, rendered from metrics.json's ``eval`` (``gates``, ``passed``, ``score``).
-
-    Shape: ``## Verdict: PASS`` (or ``FAIL (gates failed: a, b)``, ``not judged (no tuned side)``, ``no gates``),
-    then a table ``| gate | result | metric | n | base | tuned | delta | condition | 95% CI |`` with one row per
-    judged item (``retention: NAME`` for the items retention covers), then the score line.
-    """
-    gates = ev.get("gates") or {}
-    if not gates:
-        head = "no gates (eval.gates is empty)"
-    elif ev.get("failed"):
-        head = f"FAIL (gates failed: {', '.join(ev['failed'])})"
-    elif all(g["status"] == NOT_JUDGED for g in gates.values()):
-        head = f"{NOT_JUDGED} (" + "; ".join(sorted({g['reason'] for g in gates.values()})) + ")"
-    else:
-        head = "PASS"
-    lines = [f"## Verdict: {head}", ""]
-    if gates:
-        lines += ["| gate | result | metric | n | base | tuned | delta | condition | 95% CI |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for name, gate in gates.items():
-            if not gate["items"]:
-                lines.append(f"| {name} | {gate['status']}: {gate['reason']} |  |  |  |  |  |  |  |")
-            for item in gate["items"]:
-                label = f"{name}: {item['name']}" if name == RETENTION else name
-                result = item["status"].upper() if item["status"] != NOT_JUDGED else NOT_JUDGED
-                result += f": {item['reason']}" if item["reason"] else ""
-                lines.append(f"| {label} | {result} | {item['metric']} | {item['n']} | {_num(item['base'])} | "
-                             f"{_num(item['tuned'])} | {_num(item['delta'], signed=True)} | "
-                             f"{_threshold_text(item['checks'])} | {_ci(item.get('ci95'))} |")
-        lines.append("")
-        if config.eval.fail_on_gate:
-            lines += ["eval.fail_on_gate=true: a failed gate makes `train` / `eval` exit with code 3.", ""]
-    lines += [f"Score (eval.score = T + R): {_num(ev.get('score'))}", ""]
-    return lines
-
-
-def benchmark_lines(benchmarks: Optional[Dict[str, Dict[str, Any]]],
-                    skipped: Optional[Dict[str, str]] = None) -> List[str]:
-    """report.md's "Benchmarks" section from ``report["benchmarks"]``; no lines when there are none.
-
-    Table ``| benchmark | n | base | tuned | delta | 95% CI |`` (the CI of the paired difference tuned - base), then
-    the CI methods used; without a tuned side (``eval`` without ``adapter=``) ``| benchmark | metric | n | base |``.
-    ``skipped`` (``{name: reason}``, ``eval.bench_missing=skip``) adds a line per benchmark left out for want of data.
-    """
-    gone = [f"- {name}: skipped, {reason}" for name, reason in (skipped or {}).items()]
-    if not benchmarks:
-        return ["## Benchmarks", "", *gone, ""] if gone else []
-    if gone:
-        return [*benchmark_lines(benchmarks), *gone, ""]
-    if not any("tuned" in b for b in benchmarks.values()):  # the base alone: no empty tuned / delta / CI columns
-        return ["## Benchmarks", "", "| benchmark | metric | n | base |", "|---|---|---|---|",
-                *(f"| {name} | {b.get('metric')} | {b.get('n')} | {_num(b.get('base'))} |"
-                  for name, b in benchmarks.items()), ""]
-    lines = ["## Benchmarks", "", "| benchmark | metric | n | base | tuned | delta | 95% CI |",
-             "|---|---|---|---|---|---|---|"]
-    for name, b in benchmarks.items():
-        tuned = "tuned" in b
-        lines.append(f"| {name} | {b.get('metric')} | {b.get('n')} | {_num(b.get('base'))} | "
-                     f"{_num(b.get('tuned')) if tuned else ''} | {_num(b.get('delta'), signed=True) if tuned else ''} "
-                     f"| {_ci(b.get('ci95'))} |")
-    methods = sorted({b["ci_method"] for b in benchmarks.values() if b.get("ci_method") and b.get("ci95")})
-    lines += [""] + ([f"95% CI of the paired difference (same questions on both sides): {', '.join(methods)}.", ""]
-                     if methods else [])
-    return lines
-
-
-def log_wandb(wandb, ev: Dict[str, Any]) -> None:
-    """Log the verdict to the live W&B run: :data:`SCORE_KEY` (also in the run summary, what a sweep reads),
-    ``eval/passed``, ``eval/gates/NAME`` (1 pass, 0 fail), and the tables ``eval/benchmarks`` and ``eval/gates``."""
-    payload: Dict[str, Any] = {"eval/passed": int(bool(ev.get("passed")))}
-    if ev.get("score") is not None:
-        payload[SCORE_KEY] = ev["score"]
-    for name, gate in (ev.get("gates") or {}).items():
-        if gate["status"] != NOT_JUDGED:
-            payload[f"eval/gates/{name}"] = int(gate["status"] == "pass")
-    benchmarks = ev.get("benchmarks") or {}
-    if benchmarks:
-        table = wandb.Table(columns=["benchmark", "metric", "n", "base", "tuned", "delta", "ci95_lo", "ci95_hi",
-                                     "ci_method"])
-        for name, b in benchmarks.items():
-            ci = b.get("ci95") or [None, None]
-            table.add_data(name, b.get("metric"), b.get("n"), b.get("base"), b.get("tuned"), b.get("delta"), *ci,
-                           b.get("ci_method"))
-        payload["eval/benchmarks"] = table
-    if ev.get("gates"):
-        table = wandb.Table(columns=["gate", "item", "status", "metric", "n", "base", "tuned", "delta", "condition"])
-        for name, gate in ev["gates"].items():
-            for item in gate["items"]:
-                table.add_data(name, item["name"], item["status"], item["metric"], item["n"], item["base"],
-                               item["tuned"], item["delta"], _threshold_text(item["checks"]))
-        payload["eval/gates"] = table
-    wandb.log(payload)
-    if ev.get("score") is not None:
-        wandb.run.summary[SCORE_KEY] = ev["score"]
-
-
 def enforce(config: Config, metrics: Optional[Dict[str, Any]], out_dir: Path) -> None:
-    """Raise :class:`GatesFailed` when ``eval.fail_on_gate`` is set and a gate of ``metrics["eval"]`` failed.
+    """Raise when the verdict of ``metrics["eval"]`` asks for a non-zero exit: :class:`GatesFailed` (exit 3) when a
+    gate failed and ``eval.fail_on_gate`` is set; :class:`GatesInconclusive` (exit 4) when none failed, one is
+    inconclusive and ``eval.fail_on_inconclusive`` is set.
 
     Called after everything is written (metrics.json, report.md, flips.jsonl, the adapter); the CLI turns it into
-    one line on stderr and exit code 3. ``metrics`` None: read ``out_dir/metrics.json`` (none there, or no
-    ``eval`` in it: nothing was judged). A gate not judged (base only) never raises.
+    one line on stderr. ``metrics`` None: read ``out_dir/metrics.json`` (none there, or no ``eval`` in it: nothing
+    was judged). A gate not judged (base only) never raises.
     """
-    if not config.eval.fail_on_gate:
+    if not (config.eval.fail_on_gate or config.eval.fail_on_inconclusive):
         return
     if metrics is None:
         path = Path(out_dir) / "metrics.json"
         metrics = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     ev = metrics.get("eval") or {}
-    if not config.eval.fail_on_gate or not ev.get("failed"):
-        return
+    report = Path(out_dir) / "report.md"
+    if config.eval.fail_on_gate and ev.get("failed"):
+        raise GatesFailed(f"gates failed: {_named(ev, ev['failed'], FAIL)}; report: {report}")
+    if config.eval.fail_on_inconclusive and not ev.get("failed") and ev.get("inconclusive"):
+        raise GatesInconclusive(f"gates undecided: {_named(ev, ev['inconclusive'], INCONCLUSIVE)}; report: {report}")
+
+
+def _named(ev: Dict[str, Any], names: Sequence[str], status: str) -> str:
+    """``a, target (domain), retention (mmlu, general)``: a group gate names its items of that status."""
     parts = []
-    for name in ev["failed"]:
-        bad = [i["name"] for i in ev["gates"][name]["items"] if i["status"] == "fail"]
-        parts.append(f"{name} ({', '.join(bad)})" if name == RETENTION else name)
-    raise GatesFailed(f"gates failed: {', '.join(parts)}; report: {Path(out_dir) / 'report.md'}")
+    for name in names:
+        bad = [i["name"] for i in ev["gates"][name]["items"] if i["status"] == status]
+        parts.append(f"{name} ({', '.join(bad)})" if name in GROUPS else name)
+    return ", ".join(parts)

@@ -116,7 +116,7 @@ def _sources(config: Config, results: Dict[str, List[dict]], summaries: Dict[str
     rows stay right."""
     out = {}
     for name, rows in results.items():
-        metric = primary_metric(config, name, {"base": summaries[name]})
+        metric = primary_metric(config, name, {"base": summaries[name]}, [{"base": r} for r in rows])
         if metric is None:
             continue
         right = [is_right(metric, r.get(metric), config.eval.correct_threshold) for r in rows]

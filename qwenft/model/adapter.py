@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from qwenft.config import (Config, ConfigError, DataSource, ModelConfig, QuantConfig, QwenftError, RopeScalingConfig,
                            TinyModelConfig)
 from qwenft.files import atomic_write_text
+from qwenft.model.eval_record import eval_record, restore_eval
 from qwenft.runtime import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ def save_adapter_meta(adapter_dir, config: Config, data_stats: Optional[dict] = 
     name, the data (``data``: the data config that decides the held-out rows, a local file's path made absolute;
     ``data_sources``: name and path) and the system prompt trained with (``system_prompt``, with its
     ``system_prompt_share`` of the training examples and ``system_prompt_from``: ``rows`` when most rows carried
-    their own system turn, else ``data.system_prompt``); ``model.dtype`` and ``quant.compute_dtype`` are stored
+    their own system turn, else ``data.system_prompt``), the eval settings (``eval`` and ``eval_preset``,
+    :func:`qwenft.model.eval_record.eval_record`); ``model.dtype`` and ``quant.compute_dtype`` are stored
     resolved (``auto`` -> what this machine uses, :func:`resolve_dtype`). Written atomically (temp name, then
     ``os.replace``). Call it in the training process.
 
@@ -98,6 +100,7 @@ def save_adapter_meta(adapter_dir, config: Config, data_stats: Optional[dict] = 
         "system_prompt": system["text"],
         "system_prompt_share": system["share"],
         "system_prompt_from": "data.system_prompt" if system["text"] == config.data.system_prompt else "rows",
+        **eval_record(config),  # eval, eval_preset: what a later `qwenft eval` of this adapter starts from
     }
     atomic_write_text(path / ADAPTER_META, json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
@@ -300,13 +303,16 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
 
     Only what the user typed overrides what the adapter records; a recipe's or preset's default never does.
     The model follows :func:`resolve_base`'s rule (``qwenft.json`` unless a typed ``model=...`` names other
-    weights), but ``model.dtype`` and ``model.attn_implementation`` are kept (they choose how to run the
-    weights, not which), and so is a typed ``model.rope_scaling`` (else the trained one). The quantization
+    weights), but ``model.attn_implementation`` is kept (it chooses how to run the weights, not which), and so are
+    ``model.dtype`` (for ``eval`` only when typed, else the dtype the adapter's run used, recorded resolved, so
+    the numbers are its own) and a typed ``model.rope_scaling`` (else the trained one); for a library call
+    (``typed`` None) a value other than the default counts as typed. The quantization
     (method, double quant, compute dtype) is the trained one except the keys typed (``quant=none`` runs the
     adapter on a 16-bit base); the inference-only ``quant`` keys always come from ``config``. The system prompt
     the adapter was trained with (``qwenft.json``'s ``system_prompt``: ``data.system_prompt``, or the system turn
     most training rows carried) is used unless ``data.system_prompt`` was typed. ``eval`` reads the data the
-    adapter was trained on unless data or a recipe was typed (:func:`eval_data`). Without ``adapter``, or
+    adapter was trained on unless data or a recipe was typed (:func:`eval_data`), and starts from the eval settings
+    its run recorded, typed keys on top (:func:`qwenft.model.eval_record.restore_eval`). Without ``adapter``, or
     without ``qwenft.json``, ``config`` is returned as it is.
 
     Args:
@@ -315,7 +321,8 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
             as typed.
 
     Raises:
-        QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
+        QwenftError: ``qwenft.json`` is unreadable or holds invalid values, or recorded eval settings that do not
+            fit this evaluation.
     """
     if not config.adapter:
         return config
@@ -324,9 +331,12 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
     adapter_dir = Path(config.adapter).expanduser()
     meta = read_adapter_meta(adapter_dir)
     if meta is None:
+        if config.command == "eval":
+            config.check_gates()  # not checked at composition: see Config.__post_init__
         return config
-    if config.command == "eval":
+    if config.command == "eval":  # the run's held-out rows, then its eval settings (its gates name those sources)
         config = eval_data(config, meta, adapter_dir / ADAPTER_META, keys)
+        config = restore_eval(config, meta, adapter_dir / ADAPTER_META, keys)
     trained_system = meta.get("system_prompt")
     system_typed = config.data.system_prompt is not None if keys is None else "data.system_prompt" in keys
     if not system_typed and isinstance(trained_system, str):
@@ -336,7 +346,13 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
         log.info("system prompt from the adapter's %s%s: %r", ADAPTER_META, carried, trained_system)
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, system_prompt=trained_system))
     model, saved_quant, why = resolve_base(config.model, config.quant, adapter_dir, typed=typed)
-    model = dataclasses.replace(model, dtype=config.model.dtype, attn_implementation=config.model.attn_implementation)
+    # eval: the dtype the adapter's run evaluated in (recorded resolved), as quant.compute_dtype; a preset's dtype
+    # (the default model's, not the adapter's) would change the numbers. A typed model.dtype wins; generate,
+    # inspect and serve run in this command's dtype (auto: what this machine runs best).
+    dtype_typed = config.command != "eval" or (config.model.dtype != ModelConfig().dtype if keys is None
+                                               else bool(_typed(keys, "model", ("dtype",))))
+    model = dataclasses.replace(model, dtype=config.model.dtype if dtype_typed else model.dtype,
+                                attn_implementation=config.model.attn_implementation)
     rope_typed = (config.model.rope_scaling != ModelConfig().rope_scaling if keys is None
                   else bool(_typed(keys, "model", ("rope_scaling",))))
     if rope_typed:

@@ -1,5 +1,5 @@
-"""Callbacks of ``qwenft train``: atomic checkpoints (:class:`AtomicCheckpoints`) and the progress bar (loss, lr,
-tokens/s; ETA from tqdm)."""
+"""Callbacks of ``qwenft train``: atomic checkpoints (:class:`AtomicCheckpoints`), the progress bar (loss, lr,
+tokens/s; ETA from tqdm) and the loss logged at the last step (:class:`LogLastStep`)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,36 @@ class ProgressBarCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class LogLastStep(TrainerCallback):
+    """Log the loss at the last optimizer step too, and say which steps each logged loss averages.
+
+    transformers logs every ``logging_steps`` steps (and step 1 with ``logging_first_step``): a run of 16 steps at
+    ``logging_steps=10`` logged steps 1 and 10 only, so its "final" loss was step 10's. The Trainer's
+    ``DefaultFlowCallback`` runs first; this one then asks for a log at ``state.max_steps`` too. A logged ``loss``
+    (nats per supervised token) is the mean over the steps since the previous log
+    (``Trainer._maybe_log_save_evaluate``); each entry of ``state.log_history`` with a loss gets ``loss_from_step``,
+    the first of those steps (after a resume, counted from the step resumed at, as the Trainer counts).
+    """
+
+    def __init__(self) -> None:
+        self.logged_at = 0  # the step of the previous loss log, or the step training (re)started at
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.logged_at = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in (logs or {}):
+            entry = state.log_history[-1] if state.log_history else {}  # the Trainer appended it just before
+            if entry.get("step") == state.global_step and "loss" in entry:
+                entry["loss_from_step"] = self.logged_at + 1
+            self.logged_at = state.global_step
 
 
 STAGING_NAME = ".tmp-staging"  # the Trainer's output_dir inside <run>/checkpoints (a stale one is removed at start)

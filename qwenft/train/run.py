@@ -60,15 +60,25 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
 def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict[str, Any]:
     """Loss curve and throughput from the Trainer's log history.
 
-    ``tokens``: non-padding tokens trained on by all ranks (default: this process's count).
+    The loss curve's points: ``step``, ``loss`` (nats per supervised token: the mean over the steps since the
+    previous log, from ``from_step``; :class:`qwenft.train.callbacks.LogLastStep`) and ``lr``. ``final_loss`` is the
+    loss logged at the last step (``final_loss_step``, over steps ``final_loss_from_step`` to it): the trainer
+    logs the last step too, whatever ``train.logging_steps`` is.
+
+    Args:
+        seconds: wall time of ``trainer.train`` (s).
+        tokens: non-padding tokens trained on by all ranks (default: this process's count).
     """
     history = trainer.state.log_history
-    losses = [{"step": h["step"], "loss": h["loss"], "lr": h.get("learning_rate")} for h in history if "loss" in h]
+    losses = [{"step": h["step"], "loss": h["loss"], "lr": h.get("learning_rate"),
+               "from_step": h.get("loss_from_step")} for h in history if "loss" in h]
     evals = [{"step": h["step"], "eval_loss": h["eval_loss"], "eval_perplexity": math.exp(min(h["eval_loss"], 50))}
              for h in history if "eval_loss" in h]
     tokens = trainer.tokens_seen if tokens is None else tokens
     return {"global_step": trainer.state.global_step, "epochs": trainer.state.epoch, "loss_curve": losses,
             "eval_curve": evals, "final_loss": losses[-1]["loss"] if losses else None,
+            "final_loss_step": losses[-1]["step"] if losses else None,
+            "final_loss_from_step": losses[-1]["from_step"] if losses else None,
             "train_tokens": tokens, "train_seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None}
 

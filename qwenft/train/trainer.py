@@ -127,7 +127,7 @@ def _on_cuda(model) -> bool:
 
 def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path, kernels: str):
     """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator (as the bundle's packing says) and
-    callbacks.
+    callbacks (atomic checkpoints, the loss logged at the last step too, the progress bar).
 
     Args:
         kernels: the layer kernels ``model`` was patched with (``train.kernels`` resolved by
@@ -135,7 +135,7 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path,
             computes the loss with Liger's fused linear cross-entropy, ``none`` with qwenft's chunked loss.
     """
     from qwenft.data import collator
-    from qwenft.train.callbacks import AtomicCheckpoints, ProgressBarCallback
+    from qwenft.train.callbacks import AtomicCheckpoints, LogLastStep, ProgressBarCallback
     from qwenft.train.trainer import QwenftTrainer
 
     if config.logger == "wandb":
@@ -148,6 +148,7 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path,
     trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
                             eval_dataset=bundle.eval if has_eval else None, data_collator=collator(bundle, tokenizer))
     trainer.add_callback(checkpoints)
+    trainer.add_callback(LogLastStep())  # after transformers' DefaultFlowCallback: the last step is logged too
     trainer.add_callback(ProgressBarCallback())
     trainer.checkpoint_dir = str(checkpoint_dir)
     trainer.kernels = kernels

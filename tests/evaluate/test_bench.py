@@ -1,8 +1,9 @@
 """Benchmarks inside `eval` and the evaluation after `train` (issue 26).
 
 On tiny-random: lm-eval tasks over local files and the prompts they render (plain text unless
-eval.bench_chat_template=true), the seeded question selection, the prefix-cached log-likelihoods against a full
-forward, one model load for both sides with the benchmark in metrics.json / report.md, the paired bootstrap CI,
+eval.bench_chat_template=true), the seeded question selection (blocks per subject, categories in turn; issue 44),
+the cost per question in the report, the prefix-cached log-likelihoods against a full
+forward, one model load for both sides with the benchmark in metrics.json / report.md, the paired (Newcombe) CI,
 and bad input refused with exit 2 before any model loads. Slow: 20 MMLU questions on the embedded 0.5B model
 through qwenft and through lm-eval's own HFLM give the same prediction for every question.
 """
@@ -14,15 +15,16 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 from qwenft.evaluate import bench_tasks
-from qwenft.evaluate.bench_run import paired_ci
+from qwenft.evaluate.intervals import paired_bootstrap
+from qwenft.evaluate.bench_sample import category_of, select, stratified_order
 from qwenft.evaluate.bench_score import MAX_ROWS_FACTOR, MIN_PREFIX, full_forward_scores, score_pairs, suffix_rows
-from qwenft.evaluate.bench_tasks import select
 from tests.conftest import compose_config, qwenft_in_process
 
 LETTERS = ["A", "B", "C", "D"]
@@ -145,6 +147,11 @@ def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, cha
             assert context.count("<|im_start|>user") == 6 and continuation in LETTERS
     summary, rows = runner.report()
     assert summary["mmlu"]["n"] == 2 and summary["mmlu"]["base"] in (0.0, 0.5, 1.0) and len(rows["mmlu"]) == 2
+    # the cost the user sees: the side's wall seconds, and per question; the subjects asked per category
+    seconds = summary["mmlu"]["seconds"]["base"]
+    assert seconds > 0 and summary["mmlu"]["seconds_per_question"] == {"base": pytest.approx(seconds / 2)}
+    assert summary["mmlu"]["categories"] == dict(Counter(benchmarks[0].categories.values()))
+    assert sum(summary["mmlu"]["categories"].values()) == summary["mmlu"]["subtasks"] == len(samples)
     for row in rows["mmlu"]:  # a row's doc_id is the question's row in the test CSV
         assert row["id"] == f"{row['task']}/{row['doc_id']}" and row["doc_id"] in samples[row["task"]]
         question = csv_rows(BENCH / "mmlu" / "test" / f"{row['task'][len('mmlu_'):]}_test.csv")[row["doc_id"]]
@@ -152,58 +159,164 @@ def test_mmlu_prompt_is_lm_evals_plain_text_unless_bench_chat_template(tiny, cha
 
 
 # ------------------------------------------------------------------------------------------- 2. select()
-COUNTS = {"mmlu_a": 20, "mmlu_b": 7, "mmlu_c": 1, "mmlu_d": 20, "mmlu_e": 12}
+# 12 subjects in 4 categories (5 / 3 / 2 / 2 subjects), 30 questions each but one with 1 and one with 7
+COUNTS = {f"mmlu_{c}{i}": 30 for c, n in (("s", 5), ("h", 3), ("o", 2), ("x", 2)) for i in range(n)}
+COUNTS.update(mmlu_s4=1, mmlu_h2=7)
+CATEGORIES = {name: {"s": "stem", "h": "humanities", "o": "other", "x": "social_sciences"}[name[5]]
+              for name in COUNTS}
 
 
-def test_select_is_seeded():
-    first = select(COUNTS, 10, seed=0)
-    assert select(COUNTS, 10, seed=0) == first  # same seed, same questions (both sides, every run)
-    assert select(dict(reversed(COUNTS.items())), 10, seed=0) == first  # the dict order does not matter
-    assert select(COUNTS, 10, seed=1) != first
-    for picked in (first, select(COUNTS, 10, seed=1)):
-        assert sum(map(len, picked.values())) == 10
-        for task, ids in picked.items():
+def sizes(picked: dict) -> dict:
+    return {task: len(ids) for task, ids in picked.items()}
+
+
+def test_select_is_seeded_and_deterministic():
+    first = select(COUNTS, 40, 0, block=16, categories=CATEGORIES)
+    assert select(COUNTS, 40, 0, block=16, categories=CATEGORIES) == first  # same settings: the same questions
+    shuffled = dict(reversed(COUNTS.items()))
+    assert select(shuffled, 40, 0, block=16, categories=dict(reversed(CATEGORIES.items()))) == first  # dict order
+    others = [select(COUNTS, 40, seed, block=16, categories=CATEGORIES) for seed in range(1, 6)]
+    assert all(other != first for other in others)
+    for picked in (first, *others):
+        assert sum(map(len, picked.values())) == 40
+        for task, ids in picked.items():  # a subject's questions: its own seeded shuffle, not its first rows
             assert ids == sorted(set(ids)) and all(0 <= i < COUNTS[task] for i in ids)
+    assert any(ids != list(range(len(ids))) for picked in (first, *others) for ids in picked.values())
 
 
-def test_select_spreads_round_robin_across_subtasks():
-    for seed in range(5):
-        few = select(COUNTS, 3, seed)  # fewer questions than subtasks: one question each from 3 subtasks
-        assert len(few) == 3 and all(len(ids) == 1 for ids in few.values())
-        spread = select(COUNTS, 12, seed)  # 12 over 5 subtasks, one of them with 1 question: 1 + 3 + 3 + 3 + 2
-        sizes = {t: len(ids) for t, ids in spread.items()}
-        assert sizes["mmlu_c"] == 1 and sum(sizes.values()) == 12 and set(sizes) == set(COUNTS)
-        assert max(sizes.values()) - min(s for t, s in sizes.items() if t != "mmlu_c") <= 1
-    assert select(COUNTS, None, 0) == {t: list(range(n)) for t, n in COUNTS.items()}  # no limit: all
-    assert select(COUNTS, 1000, 0) == select(COUNTS, None, 0)  # more than there are: all
+def test_select_draws_blocks_from_the_fewest_subjects():
+    """N questions in blocks of at most `block` from the fewest subjects that hold them, spread evenly; the limit
+    is met exactly for every N; a small subject's block is all it has, and the next subject makes up the rest."""
+    for seed in range(6):
+        for limit in range(1, sum(COUNTS.values()) + 1):
+            picked = sizes(select(COUNTS, limit, seed, block=16, categories=CATEGORIES))
+            assert sum(picked.values()) == limit
+            if limit <= sum(min(16, n) for n in COUNTS.values()):
+                assert max(picked.values()) <= 16  # the blocks never pass `block` while the subjects hold N so
+            left = [t for t, n in picked.items() if n < COUNTS[t]]  # subjects with questions left: within 1
+            assert not left or max(picked[t] for t in left) - min(picked[t] for t in left) <= 1
+    # MMLU-sized subjects: 64 in blocks of 16 is 4 subjects of 16; 40 is 3 of 14 / 13 / 13; 3 is 1 subject of 3
+    big = {name: 100 for name in COUNTS}
+    assert sorted(sizes(select(big, 64, 0, block=16, categories=CATEGORIES)).values()) == [16, 16, 16, 16]
+    assert sorted(sizes(select(big, 40, 0, block=16, categories=CATEGORIES)).values()) == [13, 13, 14]
+    assert list(sizes(select(big, 3, 0, block=16, categories=CATEGORIES)).values()) == [3]
+    # block 1: one question from each of N subjects (the spread this sampling replaced: the most prefixes per question)
+    assert sorted(sizes(select(big, 5, 0, block=1, categories=CATEGORIES)).values()) == [1] * 5
 
 
-def test_bench_limit_selects_the_same_questions_for_the_same_seed():
-    def samples(*extra):
-        config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", *extra, command="eval")
-        return bench_tasks.prepare(config)[0].samples
+def test_select_takes_subjects_from_every_category_in_turn():
+    """The first 4 subjects cover the 4 categories, the first 8 two of each that has two (stem, humanities) plus
+    the other categories' two each; for every seed."""
+    big = {name: 100 for name in COUNTS}
+    for seed in range(10):
+        four = select(big, 64, seed, block=16, categories=CATEGORIES)
+        assert sorted(CATEGORIES[t] for t in four) == ["humanities", "other", "social_sciences", "stem"]
+        eight = select(big, 128, seed, block=16, categories=CATEGORIES)
+        assert sorted(Counter(CATEGORIES[t] for t in eight).values()) == [2, 2, 2, 2]
+        order = stratified_order(list(big), CATEGORIES, seed)
+        assert sorted(order) == sorted(big) and len({CATEGORIES[t] for t in order[:4]}) == 4
+        assert Counter(CATEGORIES[t] for t in order[:10]) == {"stem": 3, "humanities": 3, "other": 2,
+                                                              "social_sciences": 2}
+    # without categories the subjects are one seeded order, all of them eventually
+    assert sorted(stratified_order(list(big), {}, 0)) == sorted(big) and stratified_order(list(big), {}, 0) == \
+        stratified_order(sorted(big, reverse=True), {}, 0)
 
-    first = samples("eval.bench_limit=5")
-    assert sum(map(len, first.values())) == 5 and all(len(ids) == 1 for ids in first.values())
-    assert samples("eval.bench_limit=5") == first
-    assert samples("eval.bench_limit=5", "eval.bench_seed=1") != first
+
+def test_select_bench_subtasks_caps_the_subjects_and_null_means_all():
+    big = {name: 100 for name in COUNTS}
+    # a cap above what the blocks need changes nothing: 32 in blocks of 16 is 2 subjects, 8 allowed
+    assert select(big, 32, 0, subtasks=8, block=16, categories=CATEGORIES) == select(big, 32, 0, block=16,
+                                                                                      categories=CATEGORIES)
+    # a cap below it: the blocks grow past `block` (64 from 2 subjects: 32 each), the same first subjects
+    two = select(big, 64, 0, subtasks=2, block=16, categories=CATEGORIES)
+    assert sorted(sizes(two).values()) == [32, 32] and set(two) <= set(select(big, 64, 0, block=16,
+                                                                              categories=CATEGORIES))
+    assert len({CATEGORIES[t] for t in two}) == 2
+    # no limit: every question of the kept subjects; of every subject without a cap
+    every = {t: list(range(n)) for t, n in COUNTS.items()}
+    assert select(COUNTS, None, 0, block=16, categories=CATEGORIES) == every
+    assert select(COUNTS, 10 ** 6, 0, block=16, categories=CATEGORIES) == every  # more than there are: all
+    three = select(COUNTS, None, 0, subtasks=3, block=16, categories=CATEGORIES)
+    assert len(three) == 3 and all(ids == list(range(COUNTS[t])) for t, ids in three.items())
+    assert len({CATEGORIES[t] for t in three}) == 3
+    # a limit above what the capped subjects hold: all of theirs
+    assert select(big, 1000, 0, subtasks=2, block=16, categories=CATEGORIES) == {t: list(range(100)) for t in two}
+    for bad in ({"limit": 0}, {"subtasks": 0}, {"block": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=0"):
+            select(COUNTS, **{"limit": 5, "seed": 0, **bad})
 
 
-def test_more_subtasks_than_there_are_or_than_the_limit_reaches_is_said(caplog):
-    """bench_subtasks is lowered, never refused: the warning says to what (the test files have 5 subjects)."""
-    def prepare(*extra):
-        config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", *extra, command="eval")
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="qwenft"):
-            bench = bench_tasks.prepare(config)[0]
-        return bench, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+def test_category_of_reads_lm_evals_tags_and_c_evals_mapping():
+    """MMLU's four groups come from the tag in each lm-eval mmlu_SUBJECT YAML (19 STEM, 13 humanities, 12 social
+    sciences, 13 other subjects in lm-eval 0.4.13); C-Eval's 52 subjects from its subject_mapping.json."""
+    import lm_eval.tasks
+    from lm_eval.tasks._yaml_loader import load_yaml
 
-    bench, warned = prepare("eval.bench_subtasks=100")
+    from qwenft.evaluate.bench_sample import CEVAL_CATEGORIES
+
+    class Task:  # what category_of reads of an lm-eval Task
+        def __init__(self, tag):
+            self.config = type("Config", (), {"tag": tag})()
+
+    folder = Path(lm_eval.tasks.__file__).parent
+    mmlu = Counter(category_of("mmlu", p.stem, Task(load_yaml(p)["tag"]))
+                   for p in (folder / "mmlu" / "default").glob("mmlu_*.yaml"))
+    assert mmlu == {"stem": 19, "humanities": 13, "social_sciences": 12, "other": 13}
+    ceval = [p.stem for p in (folder / "ceval").glob("ceval-valid_*.yaml")]
+    assert len(ceval) == 52 and sum(map(len, CEVAL_CATEGORIES.values())) == 52
+    assert Counter(category_of("ceval", t, None) for t in ceval) == {"stem": 20, "social_science": 10,
+                                                                      "humanities": 11, "other": 11}
+    assert category_of("mytask", "mytask", Task(None)) == "" and category_of("x", "x", Task(["a_tasks", "b"])) == "a"
+
+
+def bench_samples(caplog, *extra):
+    """prepare() on the invented files (abstract_algebra, anatomy, astronomy, college_physics: STEM, 6 / 4 / 5 / 3
+    questions; world_religions: humanities, 6): (the benchmark, the INFO and WARNING lines it logged)."""
+    config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", *extra, command="eval")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="qwenft"):
+        bench = bench_tasks.prepare(config)[0]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("qwenft")]
+    return bench, said
+
+
+def test_bench_limit_draws_blocks_the_same_for_the_same_seed(caplog):
+    bench, said = bench_samples(caplog, "eval.bench_limit=5", "eval.bench_block=3")
+    assert sum(map(len, bench.samples.values())) == 5 and sorted(map(len, bench.samples.values())) == [2, 3]
+    assert set(bench.categories.values()) == {"stem", "humanities"} and set(bench.categories) == set(bench.samples)
+    plan = [m for level, m in said if level == logging.INFO and m.startswith("benchmark mmlu:")]
+    assert plan and plan[0].startswith("benchmark mmlu: 5 questions from 2 subjects in blocks of 2-3 (humanities 1, "
+                                       "stem 1; eval.bench_limit=5, eval.bench_block=3, eval.bench_subtasks=None, "
+                                       "eval.bench_seed=0)")
+    assert bench_samples(caplog, "eval.bench_limit=5", "eval.bench_block=3")[0].samples == bench.samples
+    assert bench_samples(caplog, "eval.bench_limit=5", "eval.bench_block=3", "eval.bench_seed=1")[0].samples != \
+        bench.samples
+    default, _ = bench_samples(caplog, "eval.bench_limit=5")  # eval.bench_block=16: one subject holds all 5
+    assert sorted(map(len, default.samples.values())) == [5] and default.subjects == 1
+    every, _ = bench_samples(caplog)  # eval.bench_limit=null: every question
+    assert every.questions == 24 and every.subjects == 5
+
+
+def test_more_subtasks_than_there_are_is_said(caplog):
+    """bench_subtasks is lowered, never refused: the warning says to what (the test files have 5 subjects); a cap
+    above what bench_limit needs is no warning (it is a cap)."""
+    bench, said = bench_samples(caplog, "eval.bench_subtasks=100")
+    warned = [m for level, m in said if level == logging.WARNING]
     assert bench.subjects == 5 and warned == ["eval.bench_subtasks=100 but mmlu has 5 subtasks: all 5 are used"]
-    bench, warned = prepare("eval.bench_subtasks=4", "eval.bench_limit=3")
-    assert bench.subjects == 3 and warned == ["eval.bench_limit=3 < eval.bench_subtasks=4: mmlu draws one question "
-                                              "from each of 3 subtasks"]
-    assert prepare("eval.bench_subtasks=4", "eval.bench_limit=16")[1] == []
+    bench, said = bench_samples(caplog, "eval.bench_subtasks=4", "eval.bench_limit=3")
+    assert bench.subjects == 1 and not [m for level, m in said if level == logging.WARNING]
+    bench, _ = bench_samples(caplog, "eval.bench_subtasks=2", "eval.bench_limit=10")  # blocks grow: 5 + 5
+    assert sorted(map(len, bench.samples.values())) == [5, 5]
+
+
+@pytest.mark.parametrize("value, said", [("0", "eval.bench_block=0 is not accepted; must be >= 1"),
+                                         ("-2", "eval.bench_block=-2 is not accepted"),
+                                         ("abc", "eval.bench_block"), ("null", "eval.bench_block")])
+def test_a_bad_bench_block_is_refused_naming_the_key(tmp_path, capsys, monkeypatch, value, said):
+    out = tmp_path / "run"
+    refused = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]", "eval.benchmarks=[mmlu]",
+                              f"eval.bench_block={value}", f"out_dir={out}"], capsys, monkeypatch)
+    assert_refused(*refused, out, said)
 
 
 # ----------------------------------------------------------------- 3. prefix-cached scores == the full forward
@@ -302,35 +415,35 @@ def test_score_pairs_other_batch_sizes_no_grouping_and_truncation(tiny):
         score_pairs(model, [([1, 2], [])], batch_size=1, max_length=64)
 
 
-# ------------------------------------------------------------------------------------------- 5. paired_ci
-def test_paired_ci_constant_difference_is_a_point():
-    assert paired_ci([0.0] * 7, [1.0] * 7) == (1.0, 1.0)
-    assert paired_ci([1, 0, 1, 0, 1], [1, 0, 1, 0, 1]) == (0.0, 0.0)
-    assert paired_ci([1.0] * 4, [0.0] * 4) == (-1.0, -1.0)
+# ------------------------------------------- 5. the paired bootstrap (char_f1 / rouge_l gates; qwenft.evaluate.intervals)
+def test_paired_bootstrap_constant_difference_is_a_point():
+    assert paired_bootstrap([0.0] * 7, [1.0] * 7) == (1.0, 1.0)
+    assert paired_bootstrap([1, 0, 1, 0, 1], [1, 0, 1, 0, 1]) == (0.0, 0.0)
+    assert paired_bootstrap([1.0] * 4, [0.0] * 4) == (-1.0, -1.0)
 
 
-def test_paired_ci_hand_checked_case():
+def test_paired_bootstrap_hand_checked_case():
     """10 questions, tuned right on 5 more (wrong -> right on 5, no right -> wrong): delta 0.5. The resampled
     mean is k/10 with k ~ Binomial(10, 0.5): its 2.5th / 97.5th percentiles are 0.2 and 0.8."""
     base = [0.0] * 10
     tuned = [1.0] * 5 + [0.0] * 5
-    low, high = paired_ci(base, tuned, seed=0)
+    low, high = paired_bootstrap(base, tuned, seed=0)
     assert -1.0 <= low < 0.5 < high <= 1.0
     assert low == pytest.approx(0.2) and high == pytest.approx(0.8)
-    assert paired_ci(base, tuned, seed=0) == (low, high)  # deterministic with the seed
-    assert paired_ci(list(reversed(base)), list(reversed(tuned)), seed=0) == pytest.approx((low, high), abs=0.11)
+    assert paired_bootstrap(base, tuned, seed=0) == (low, high)  # deterministic with the seed
+    assert paired_bootstrap(list(reversed(base)), list(reversed(tuned)), seed=0) == pytest.approx((low, high), abs=0.11)
     # mixed flips: 6 wrong -> right, 2 right -> wrong of 20: delta 0.2, an interval around it, wider than 0
     base = [0.0] * 6 + [1.0] * 2 + [1.0] * 6 + [0.0] * 6
     tuned = [1.0] * 6 + [0.0] * 2 + [1.0] * 6 + [0.0] * 6
-    low, high = paired_ci(base, tuned, seed=3)
+    low, high = paired_bootstrap(base, tuned, seed=3)
     assert -1.0 <= low <= 0.2 <= high <= 1.0 and high - low > 0.1
 
 
-def test_paired_ci_rejects_unequal_or_empty_lists():
+def test_paired_bootstrap_rejects_unequal_or_empty_lists():
     with pytest.raises(ValueError, match="equal"):
-        paired_ci([1.0, 0.0], [1.0])
+        paired_bootstrap([1.0, 0.0], [1.0])
     with pytest.raises(ValueError):
-        paired_ci([], [])
+        paired_bootstrap([], [])
 
 
 # ------------------------------------------------------------------------- 4. one model load, both sides
@@ -397,13 +510,17 @@ def test_train_then_benchmark_with_one_model_load(bench_run):
     loads = json.loads(result.stderr.split("MODEL LOADS ")[-1].splitlines()[0])
     assert loads == {"load_model": 1, "from_pretrained": 1}  # train and both evaluated sides on one load
     mmlu = json.loads((run_dir / "metrics.json").read_text())["eval"]["benchmarks"]["mmlu"]
-    assert mmlu["n"] == 3 and mmlu["subtasks"] == 3 and mmlu["metric"] == "acc" and mmlu["shots"] == 5
+    # 3 questions in one block (eval.bench_block=16): one subject, one 5-shot prefix per side
+    assert mmlu["n"] == 3 and mmlu["subtasks"] == 1 and mmlu["metric"] == "acc" and mmlu["shots"] == 5
+    assert set(mmlu["seconds_per_question"]) == {"base", "tuned"} and sum(mmlu["categories"].values()) == 1
+    for side, seconds in mmlu["seconds"].items():
+        assert mmlu["seconds_per_question"][side] == pytest.approx(seconds / 3)
     for side in ("base", "tuned"):
         assert mmlu[side] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert mmlu["delta"] == pytest.approx(mmlu["tuned"] - mmlu["base"])
     low, high = mmlu["ci95"]
     assert low <= mmlu["delta"] <= high and -1.0 <= low and high <= 1.0
-    assert "paired bootstrap" in mmlu["ci_method"]
+    assert mmlu["ci_method"] == "Newcombe paired score interval"  # right / wrong questions: the gates' interval
     report = (run_dir / "report.md").read_text()
     table = report.split("## Benchmarks\n\n", 1)[1]
     assert table.startswith("| benchmark | metric | n | base | tuned | delta | 95% CI |")
@@ -616,7 +733,8 @@ def test_a_users_task_directory_runs_base_and_tuned(bench_run, tmp_path, capsys,
     out = tmp_path / "eval"
     code, err, loads = run_in_process(["eval", "model=tiny-random", "quant=none", "data.sources=[]",
                                        f"adapter={run_dir / 'adapter'}", "eval.benchmarks=[mytask]",
-                                       f"eval.bench_tasks={folder}", f"out_dir={out}"], capsys, monkeypatch)
+                                       f"eval.bench_tasks={folder}", "eval.bench_limit=null",  # the run's was 3
+                                       f"out_dir={out}"], capsys, monkeypatch)
     assert code == 0, err[-20:]
     assert loads == {"load_model": 1, "from_pretrained": 1}
     mine = json.loads((out / "metrics.json").read_text())["eval"]["benchmarks"]["mytask"]
@@ -655,7 +773,7 @@ def test_same_mmlu_predictions_as_lm_eval_hflm(embedded_dir, shared_data, tmp_pa
             (bench / "mmlu" / split / f"{subject}_{split}.csv").symlink_to(
                 shared_data / "bench" / "mmlu" / split / f"{subject}_{split}.csv")
     config = compose_config("model=tiny-random", "eval.benchmarks=[mmlu]", "eval.bench_limit=12",
-                            f"eval.bench_data=[{bench}]", command="eval")
+                            "eval.bench_block=6", f"eval.bench_data=[{bench}]", command="eval")
     (questions,) = bench_tasks.prepare(config)
     assert questions.questions == 12 and {len(ids) for ids in questions.samples.values()} == {6}
 

@@ -1,4 +1,5 @@
-"""The verdict: flips, gates, eval.score, the report's opening section, the sweep specs' metric and exit code 3.
+"""The verdict: intervals, flips, target and retention gates judged three ways, eval.score, the report's opening
+section, the sweep specs' metric and exit codes 3 and 4.
 
 Hand-made evaluation reports (the shape :func:`qwenft.evaluate.run.evaluate` returns) for the arithmetic; a real
 tiny-random `train` / `eval` for the exit codes.
@@ -7,25 +8,31 @@ tiny-random `train` / `eval` for the exit codes.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import yaml
 
-from qwenft.config import Config, ConfigError, DataConfig, DataSource, EvalConfig, GatesFailed
+from qwenft.config import Config, ConfigError, DataConfig, DataSource, EvalConfig, GatesFailed, GatesInconclusive
+from qwenft.evaluate import intervals
 from qwenft.evaluate.flips import find_flips, flip_counts, flip_lines
 from qwenft.evaluate.verdict import SCORE_KEY, enforce, is_right, judge, primary_metric
+from qwenft.evaluate.verdict_text import verdict_lines
 from tests.conftest import ROOT
 
 METRICS = ["contains_fact", "char_f1", "rouge_l"]
 
 
 def make_config(gates=None, metrics=METRICS, threshold=0.5, fail_on_gate=False, benchmarks=("mmlu", "gsm8k"),
-                sources=("domain", "general"), out_dir="out") -> Config:
-    """A validated config with held-out sources ``sources`` and ``benchmarks``, without Hydra."""
+                sources=("domain", "general"), out_dir="out", min_n=1, targets=None,
+                fail_on_inconclusive=False) -> Config:
+    """A validated config with held-out sources ``sources`` and ``benchmarks``, without Hydra. ``min_n=1`` by
+    default, so the small hand-made reports below are judged on their intervals alone."""
     return Config(command="eval", out_dir=str(out_dir), run_name="verdict-test",
                   data=DataConfig(sources=[DataSource(name=s, path=f"{s}.jsonl", eval_rows=4) for s in sources]),
-                  eval=EvalConfig(gates=gates or {}, metrics=list(metrics), correct_threshold=threshold,
-                                  fail_on_gate=fail_on_gate, benchmarks=list(benchmarks)))
+                  eval=EvalConfig(gates={} if gates is None else gates, metrics=list(metrics),
+                                  correct_threshold=threshold, fail_on_gate=fail_on_gate, benchmarks=list(benchmarks),
+                                  min_n=min_n, targets=targets, fail_on_inconclusive=fail_on_inconclusive))
 
 
 def side(text: str, **values) -> dict:
@@ -55,6 +62,25 @@ def bench_row(name: str, i: int, base: bool, tuned: bool = None) -> dict:
     return out
 
 
+def by_side(rows, tuned: bool = True) -> dict:
+    """``report["sources"][NAME]`` for ``rows``: summaries and the delta of the metrics both sides have."""
+    by = {"base": summary(rows, "base")}
+    if tuned:
+        by["tuned"] = summary(rows, "tuned")
+        by["delta"] = {k: by["tuned"][k] - by["base"][k] for k in by["base"]
+                       if k != "rows" and by["base"][k] is not None and by["tuned"][k] is not None}
+    return by
+
+
+def bench_entry(rows, metric: str = "acc") -> dict:
+    base = sum(r["base"]["correct"] for r in rows) / len(rows)
+    entry = {"metric": metric, "n": len(rows), "base": base}
+    if all("tuned" in r for r in rows):
+        tuned = sum(r["tuned"]["correct"] for r in rows) / len(rows)
+        entry.update(tuned=tuned, delta=tuned - base)
+    return entry
+
+
 def make_report(tuned: bool = True) -> dict:
     """domain (contains_fact 0/1: 1 wrong->right, 1 right->wrong, 1 n/a), general (char_f1 only), mmlu, gsm8k."""
     domain = [row("domain", 0, side("x", contains_fact=0.0, char_f1=0.1, rouge_l=0.1),
@@ -71,24 +97,69 @@ def make_report(tuned: bool = True) -> dict:
     if not tuned:
         for r in domain + general:
             del r["tuned"]
-    sources = {}
-    for name, rows in (("domain", domain), ("general", general)):
-        by = {"base": summary(rows, "base")}
-        if tuned:
-            by["tuned"] = summary(rows, "tuned")
-            by["delta"] = {k: by["tuned"][k] - by["base"][k] for k in by["base"]
-                           if k != "rows" and by["base"][k] is not None}
-        sources[name] = by
     mmlu = [bench_row("mmlu", i, b, t if tuned else None)
             for i, (b, t) in enumerate([(True, False), (False, True), (False, True), (True, True)])]
     gsm8k = [bench_row("gsm8k", i, b, t if tuned else None) for i, (b, t) in enumerate([(True, True), (True, False)])]
-    benchmarks = {"mmlu": {"metric": "acc", "n": 4, "base": 0.5}, "gsm8k": {"metric": "exact_match,strict-match",
-                                                                           "n": 2, "base": 1.0}}
-    if tuned:
-        benchmarks["mmlu"].update(tuned=0.75, delta=0.25, ci95=[-0.25, 0.75], ci_method="paired bootstrap")
-        benchmarks["gsm8k"].update(tuned=0.5, delta=-0.5, ci95=[-1.0, 0.0], ci_method="paired bootstrap")
-    return {"sources": sources, "rows": {"domain": domain, "general": general}, "perplexity": {},
+    benchmarks = {"mmlu": bench_entry(mmlu), "gsm8k": bench_entry(gsm8k, "exact_match,strict-match")}
+    return {"sources": {"domain": by_side(domain, tuned), "general": by_side(general, tuned)},
+            "rows": {"domain": domain, "general": general}, "perplexity": {},
             "benchmarks": benchmarks, "bench_rows": {"mmlu": mmlu, "gsm8k": gsm8k}}
+
+
+def paired_report(sources: dict = None, benchmarks: dict = None) -> dict:
+    """A report from paired values: ``sources`` {name: (metric, [(base, tuned), ...])} (other metrics None),
+    ``benchmarks`` {name: [(base right, tuned right), ...]}."""
+    report = {"sources": {}, "rows": {}, "perplexity": {}, "benchmarks": {}, "bench_rows": {}}
+    for name, (metric, pairs) in (sources or {}).items():
+        rows = [row(name, i, side("b", **{metric: b}), side("t", **{metric: t})) for i, (b, t) in enumerate(pairs)]
+        report["rows"][name], report["sources"][name] = rows, by_side(rows)
+    for name, pairs in (benchmarks or {}).items():
+        rows = [bench_row(name, i, b, t) for i, (b, t) in enumerate(pairs)]
+        report["bench_rows"][name], report["benchmarks"][name] = rows, bench_entry(rows)
+    return report
+
+
+# --- intervals -----------------------------------------------------------------------------------------------------
+
+def test_newcombe_and_wilson_match_published_values():
+    """Newcombe's paired interval on the table [[59, 6], [16, 80]] (Fagerland, Lydersen & Laake 2017, "Statistical
+    Analysis of Contingency Tables", ch. 8: estimate -0.0621, 95% CI -0.1186 to -0.0046, printed to 4 decimals);
+    Wilson's interval of 0 of 20 reaches 0.1611 (z^2 / (n + z^2))."""
+    low, high = intervals.newcombe_paired(59, 6, 16, 80)
+    assert (low, high) == pytest.approx((-0.1186, -0.0046), abs=5e-5)
+    assert intervals.wilson(0, 20) == pytest.approx((0.0, 1.959964 ** 2 / (20 + 1.959964 ** 2)), abs=1e-6)
+    assert intervals.newcombe_paired(0, 9, 0, 3)[0] > 0  # the quickstart's 0/12 -> 9/12: a real improvement
+    with pytest.raises(ValueError, match="at least one item"):
+        intervals.newcombe_paired(0, 0, 0, 0)
+
+
+def test_newcombe_covers_the_true_difference_about_95_percent_of_the_time():
+    """Coverage over 2,000 simulated paired samples of 40 items (p_base 0.5, 20% flips each way half as often as
+    the other way): at least 0.93 (Newcombe 1998 reports 0.94-0.96 for this method; 2,000 draws give +-0.01)."""
+    rng = random.Random(0)
+    cells = [(1, 1, 0.4), (0, 1, 0.15), (1, 0, 0.05), (0, 0, 0.4)]  # (base, tuned, probability)
+    truth = 0.15 - 0.05
+    covered = 0
+    for _ in range(2000):
+        pairs = [rng.choices([(b, t) for b, t, _ in cells], weights=[w for *_, w in cells])[0] for _ in range(40)]
+        low, high = intervals.paired_interval([b for b, _ in pairs], [t for _, t in pairs])[0]
+        covered += low <= truth <= high
+    assert covered / 2000 >= 0.93
+
+
+def test_graded_metrics_get_a_seeded_paired_bootstrap():
+    base, tuned = [0.1, 0.5, 0.3, 0.8, 0.4], [0.3, 0.6, 0.3, 0.7, 0.9]
+    (low, high), method = intervals.paired_interval(base, tuned, seed=3)
+    assert method == intervals.BOOTSTRAP and low < sum(tuned) / 5 - sum(base) / 5 < high
+    assert intervals.paired_interval(base, tuned, seed=3)[0] == (low, high)  # seeded: the same interval
+    assert intervals.paired_interval([0.5] * 3, [0.7] * 3)[0] == pytest.approx((0.2, 0.2))  # every difference 0.2
+
+
+def test_n_to_decide_scales_the_half_width():
+    # delta 0.1, interval [-0.02, 0.22] at n 40, threshold 0: half-width 0.12 must shrink below 0.1
+    assert intervals.n_to_decide(40, 0.1, (-0.02, 0.22), 0.0) == 58  # ceil(40 * 1.2^2) = 57.6 -> 58
+    assert intervals.n_to_decide(40, -0.01, (-0.05, 0.03), -0.02) == 640  # 40 * (0.04 / 0.01)^2
+    assert intervals.n_to_decide(40, 0.0, (-0.1, 0.1), 0.0) is None  # on the threshold: no n decides
 
 
 # --- flips ---------------------------------------------------------------------------------------------------------
@@ -112,10 +183,11 @@ def test_flips_both_directions_and_na_rows_skipped():
 
 
 def test_char_f1_rows_are_right_at_the_threshold():
-    """general's primary metric is char_f1 (contains_fact is n/a there): right when >= eval.correct_threshold."""
+    """general's primary metric is char_f1 (contains_fact applies to none of its rows): right when >=
+    eval.correct_threshold."""
     config = make_config()
     report = make_report()
-    assert primary_metric(config, "general", report["sources"]["general"]) == "char_f1"
+    assert primary_metric(config, "general", report["sources"]["general"], report["rows"]["general"]) == "char_f1"
     general = find_flips(config, report)["general"]
     assert [f["id"] for f in general["right_to_wrong"]] == ["general/0"]  # 0.6 -> 0.4
     assert [f["id"] for f in general["wrong_to_right"]] == ["general/1"]  # 0.4 -> 0.55
@@ -133,16 +205,27 @@ def test_a_gate_metric_is_the_primary_metric():
     assert general_f1["wrong_to_right"][0]["id"] == "general/1"  # char_f1 0.55 >= 0.51
 
 
+def test_the_primary_metric_is_the_first_that_applies_to_min_n_rows():
+    """domain: contains_fact applies to 3 of 4 rows, char_f1 to all 4. min_n 3: contains_fact (first with
+    enough); min_n 4: char_f1; min_n 10: none has enough, the one applying to the most rows (char_f1)."""
+    report = make_report()
+    pick = {n: primary_metric(make_config(min_n=n), "domain", report["sources"]["domain"], report["rows"]["domain"])
+            for n in (3, 4, 10)}
+    assert pick == {3: "contains_fact", 4: "char_f1", 10: "char_f1"}
+
+
 def test_right_at_the_threshold_and_float_tolerance():
     assert is_right("char_f1", 0.5, 0.5) is True and is_right("char_f1", 0.4999, 0.5) is False
     assert is_right("contains_fact", 1.0, 0.9) is True
     assert is_right("contains_fact", 0.0, 0.0) is False  # a 0/1 metric ignores eval.correct_threshold
     assert is_right("rouge_l", None, 0.5) is None
-    report = make_report()  # 0.75 - 0.55 is 0.19999999999999996 in floats: it passes min_delta 0.2
-    report["benchmarks"]["mmlu"].update(base=0.55, tuned=0.75, delta=0.75 - 0.55)
-    assert judge(make_config(gates={"mmlu": {"min_delta": 0.2}}), report)["gates"]["mmlu"]["status"] == "pass"
-    report["benchmarks"]["mmlu"].update(delta=0.199)
-    assert judge(make_config(gates={"mmlu": {"min_delta": 0.2}}), report)["gates"]["mmlu"]["status"] == "fail"
+    # every row 0.55 -> 0.75: the interval is [0.2, 0.2] up to float rounding (0.19999999999999996)
+    report = paired_report({"domain": ("char_f1", [(0.55, 0.75)] * 30)})
+    config = make_config(gates={"domain": {"min_delta": 0.2}, "general": {"max_drop": 0.2}}, benchmarks=())
+    checks = judge(config, report)["gates"]["domain"]["items"][0]["checks"]
+    assert checks[0]["status"] == "fail"  # min_delta is strict: improved by 0.2, not by more than 0.2
+    retained = paired_report({"general": ("char_f1", [(0.75, 0.55)] * 30)})
+    assert judge(config, retained)["gates"]["general"]["status"] == "pass"  # max_drop 0.2 allows a 0.2 drop
 
 
 def test_flip_section_shows_counts_and_the_first_five():
@@ -154,23 +237,92 @@ def test_flip_section_shows_counts_and_the_first_five():
     assert "### domain (contains_fact): 1 right -> wrong, 2 wrong -> right (of 3 judged)" in lines
 
 
-# --- gates and score -----------------------------------------------------------------------------------------------
+# --- gates: three ways ---------------------------------------------------------------------------------------------
 
-def test_gates_pass_and_fail_with_the_numbers():
-    config = make_config(gates={"domain": {"min_delta": 0.6, "min": 0.6}, "mmlu": {"max_drop": 0.0}})
-    verdict = judge(config, make_report())
-    domain = verdict["gates"]["domain"]
-    # contains_fact base (0 + 1 + 0) / 3, tuned (1 + 0 + 1) / 3: delta 1/3 < 0.6, tuned 2/3 >= 0.6
-    assert domain["status"] == "fail"
-    item = domain["items"][0]
-    assert item["metric"] == "contains_fact" and item["n"] == 3
-    assert item["delta"] == pytest.approx(1 / 3)
-    assert {c["condition"]: c["passed"] for c in item["checks"]} == {"min": True, "min_delta": False}
-    assert verdict["gates"]["mmlu"]["status"] == "pass"  # delta +0.25 >= -0
-    assert verdict["gates"]["mmlu"]["items"][0]["ci95"] == [-0.25, 0.75]
-    assert verdict["passed"] is False and verdict["failed"] == ["domain"]
-    ok = judge(make_config(gates={"domain": {"min_delta": 0.3}}), make_report())
-    assert ok["passed"] is True and ok["gates"]["domain"]["status"] == "pass"
+GATES = {"target": {"min_delta": 0.0}, "retention": {"max_drop": 0.02}}
+
+
+def test_three_way_outcomes_on_constructed_paired_results():
+    """30 paired rows each. domain improved on 20 (0 -> 1): the whole interval is above 0, PASS. general lost
+    15 (1 -> 0): the whole interval is below -0.02, FAIL. mmlu gained 2 and lost 1 of 30: delta +0.033 meets
+    delta >= -0.02, but its interval reaches below -0.02: INCONCLUSIVE, with about the n that would decide."""
+    report = paired_report({"domain": ("contains_fact", [(0, 1)] * 20 + [(0, 0)] * 10),
+                            "general": ("contains_fact", [(1, 0)] * 15 + [(1, 1)] * 15)},
+                           {"mmlu": [(0, 1)] * 2 + [(1, 0)] + [(1, 1)] * 14 + [(0, 0)] * 13})
+    config = make_config(gates=GATES, benchmarks=("mmlu",), min_n=20)
+    verdict = judge(config, report)
+    by_item = {i["name"]: i for g in verdict["gates"].values() for i in g["items"]}
+    assert by_item["domain"]["role"] == "target" and by_item["domain"]["status"] == "pass"
+    assert by_item["domain"]["ci95"][0] > 0 and by_item["domain"]["ci_method"] == intervals.NEWCOMBE
+    assert by_item["general"]["role"] == "retention" and by_item["general"]["status"] == "fail"
+    assert by_item["general"]["ci95"][1] < -0.02
+    mmlu = by_item["mmlu"]
+    assert mmlu["delta"] == pytest.approx(1 / 30) and mmlu["delta"] >= -0.02  # the delta alone would pass
+    assert mmlu["ci95"][0] < -0.02 < mmlu["ci95"][1] and mmlu["status"] == "inconclusive"
+    assert mmlu["n_to_decide"] > 30
+    assert verdict["verdict"] == "FAIL" and verdict["failed"] == ["retention"]
+    assert verdict["inconclusive"] == [] and verdict["passed"] is False
+    # without general: no gate failed, one is undecided
+    del report["sources"]["general"], report["rows"]["general"]
+    undecided = judge(config, report)
+    assert undecided["verdict"] == "INCONCLUSIVE" and undecided["inconclusive"] == ["retention"]
+    # a target whose delta is above 0 but whose interval is not: INCONCLUSIVE, never PASS
+    small = paired_report({"domain": ("contains_fact", [(0, 1)] * 3 + [(1, 0)] + [(0, 0)] * 26)})
+    item = judge(make_config(gates=GATES, benchmarks=(), min_n=20), small)["gates"]["target"]["items"][0]
+    assert item["delta"] > 0 and item["ci95"][0] < 0 and item["status"] == "inconclusive"
+
+
+def test_a_medquad_shaped_run_never_passes_on_one_numeric_row():
+    """The issue's case: a domain source of 20 QA rows with no number in any reference (exact_match_number n/a), a
+    general source of 10 rows of which one has a numeric reference. domain is the target, judged on char_f1 over
+    its 20 rows; general's exact_match_number applies to 1 row, so it is judged on char_f1 over 10 rows, fewer than
+    eval.min_n = 20: INCONCLUSIVE, with the n that would decide; never PASS on n = 1."""
+    rng = random.Random(1)
+    domain = [row("domain", i, side("b", char_f1=0.15 + 0.02 * rng.random()), side("t", char_f1=0.25 + 0.02 * rng.random()))
+              for i in range(20)]
+    for r in domain:
+        for s in ("base", "tuned"):
+            r[s]["exact_match_number"] = None
+    general = [row("general", i, side("b", char_f1=0.5), side("t", char_f1=0.5)) for i in range(10)]
+    for i, r in enumerate(general):
+        r["base"]["exact_match_number"] = r["tuned"]["exact_match_number"] = (0.0 if i == 0 else None)
+    metrics = ["exact_match_number", "char_f1", "rouge_l"]
+    for r in domain + general:
+        for s in ("base", "tuned"):
+            r[s]["contains_fact"] = None
+    report = {"sources": {"domain": by_side(domain), "general": by_side(general)},
+              "rows": {"domain": domain, "general": general}, "perplexity": {}}
+    config = Config(command="eval", data=DataConfig(sources=[DataSource(name="domain", path="d.jsonl", eval_rows=20),
+                                                             DataSource(name="general", path="g.jsonl", eval_rows=10)]),
+                    eval=EvalConfig(metrics=metrics, gates={"retention": {"max_drop": 0.02}}))
+    assert config.eval.min_n == 20 and config.eval.targets is None  # the defaults: the first source is the target
+    config.eval.gates = dict(GATES)
+    verdict = judge(config, report)
+    target = verdict["gates"]["target"]["items"][0]
+    assert (target["name"], target["metric"], target["n"], target["status"]) == ("domain", "char_f1", 20, "pass")
+    general_item = verdict["gates"]["retention"]["items"][0]
+    assert (general_item["name"], general_item["metric"], general_item["n"]) == ("general", "char_f1", 10)
+    assert general_item["status"] == "inconclusive" and general_item["reason"] == "n = 10 < eval.min_n = 20"
+    assert general_item["n_to_decide"] >= 20
+    # judged on exact_match_number (a gate naming it): n = 1, still INCONCLUSIVE
+    config.eval.gates = {**GATES, "general": {"metric": "exact_match_number", "max_drop": 0.02}}
+    one = judge(config, report)["gates"]["general"]["items"][0]
+    assert (one["n"], one["status"]) == (1, "inconclusive") and verdict["verdict"] == "INCONCLUSIVE"
+    lines = "\n".join(verdict_lines(config, verdict))
+    assert "| target: domain | better than base: delta > +0.000 | PASS | char_f1 | 20 |" in lines
+    assert ("| retention: general | no worse than base by more than 0.020: delta >= -0.020 | INCONCLUSIVE: n = 10 "
+            "< eval.min_n = 20 | char_f1 | 10 | 0.500 | 0.500 | +0.000 | [+0.000, +0.000] |") in lines
+
+
+def test_targets_choose_what_is_judged_as_improvement():
+    report = make_report()
+    assert judge(make_config(gates=GATES), report)["targets"] == ["domain"]  # null: the first held-out source
+    named = judge(make_config(gates=GATES, targets=["general", "mmlu"]), report)
+    assert named["targets"] == ["general", "mmlu"]
+    assert {i["name"] for i in named["gates"]["target"]["items"]} == {"general", "mmlu"}
+    assert {i["name"] for i in named["gates"]["retention"]["items"]} == {"domain", "gsm8k"}
+    none = judge(make_config(gates=GATES, targets=[]), report)
+    assert none["gates"]["target"]["status"] == "not judged" and "nothing to judge" in none["gates"]["target"]["reason"]
 
 
 def test_retention_covers_every_ungated_benchmark_and_source():
@@ -180,38 +332,52 @@ def test_retention_covers_every_ungated_benchmark_and_source():
     assert set(by_item) == {"general", "gsm8k"}  # domain and mmlu have gates of their own
     assert by_item["general"]["metric"] == "char_f1"
     assert by_item["general"]["delta"] == pytest.approx((0.4 + 0.55 + 0.9) / 3 - (0.6 + 0.4 + 0.9) / 3)
-    assert by_item["general"]["status"] == "pass"  # -0.0167 >= -0.2
-    assert by_item["gsm8k"]["status"] == "fail"  # -0.5 < -0.2
-    assert gate["status"] == "fail"
     assert by_item["gsm8k"]["checks"][0]["threshold"] == pytest.approx(-0.2)
+    assert by_item["gsm8k"]["ci_method"] == intervals.NEWCOMBE and by_item["gsm8k"]["n"] == 2
 
 
 def test_base_only_is_not_judged_and_never_fails(tmp_path):
-    config = make_config(gates={"domain": {"min_delta": 0.1}, "retention": {"max_drop": 0.0}}, fail_on_gate=True)
+    config = make_config(gates={"domain": {"min_delta": 0.1}, "retention": {"max_drop": 0.0}}, fail_on_gate=True,
+                         fail_on_inconclusive=True)
     verdict = judge(config, make_report(tuned=False))
     assert {g["status"] for g in verdict["gates"].values()} == {"not judged"}
     assert {g["reason"] for g in verdict["gates"].values()} == {"no tuned side"}
-    assert verdict["passed"] is True and verdict["score"] is None
-    enforce(config, {"eval": verdict}, tmp_path)  # no GatesFailed
+    assert verdict["verdict"] == "not judged" and verdict["score"] is None
+    enforce(config, {"eval": verdict}, tmp_path)  # neither exception
 
 
 def test_score_formula_on_a_constructed_case():
-    # no gates: T = every source's tuned primary mean = (contains_fact 2/3 + char_f1 1.85/3) / 2;
-    # R = benchmarks: (min(0, +0.25) + min(0, -0.5)) / 2 = -0.25
-    assert judge(make_config(), make_report())["score"] == pytest.approx((2 / 3 + 1.85 / 3) / 2 - 0.25)
-    # domain gated: T = 2/3; R over general (delta -0.05 / 3), mmlu (0), gsm8k (-0.5)
-    gated = make_config(gates={"domain": {"min": 0.0}, "mmlu": {"min": 0.0}})
+    # T = the target's (domain) tuned contains_fact 2/3; R over general (-0.05 / 3), mmlu (0), gsm8k (-0.5)
     expected = 2 / 3 + (-0.05 / 3 + 0.0 - 0.5) / 3
-    assert judge(gated, make_report())["score"] == pytest.approx(expected)
+    assert judge(make_config(), make_report())["score"] == pytest.approx(expected)
+    # the score does not depend on gates (comparable across runs): the same with any gates
+    assert judge(make_config(gates={"mmlu": {"min": 0.9}}), make_report())["score"] == pytest.approx(expected)
+    # two targets: T = (2/3 + char_f1 1.85/3) / 2, R over mmlu and gsm8k
+    both = make_config(targets=["domain", "general"])
+    assert judge(both, make_report())["score"] == pytest.approx((2 / 3 + 1.85 / 3) / 2 + (0 - 0.5) / 2)
 
 
-def test_enforce_raises_only_with_fail_on_gate(tmp_path):
-    gates = {"domain": {"min_delta": 0.9}, "retention": {"max_drop": 0.0}}
-    verdict = judge(make_config(gates=gates), make_report())
-    enforce(make_config(gates=gates), {"eval": verdict}, tmp_path)  # fail_on_gate=false: no exception
+def test_enforce_exit_codes_fail_then_inconclusive(tmp_path):
+    failing = paired_report({"domain": ("contains_fact", [(1, 0)] * 30)})
+    undecided = paired_report({"domain": ("contains_fact", [(0, 1)] * 2 + [(0, 0)] * 28)})
+    gates = {"target": {"min_delta": 0.0}}
+
+    def config(**flags):
+        return make_config(gates=gates, benchmarks=(), sources=("domain",), min_n=20, **flags)
+
+    failed = {"eval": judge(config(), failing)}
+    enforce(config(), failed, tmp_path)  # no flag: no exception
     with pytest.raises(GatesFailed) as info:
-        enforce(make_config(gates=gates, fail_on_gate=True), {"eval": verdict}, tmp_path)
-    assert str(info.value) == (f"gates failed: domain, retention (general, gsm8k); report: {tmp_path / 'report.md'}")
+        enforce(config(fail_on_gate=True), failed, tmp_path)
+    assert type(info.value) is GatesFailed and info.value.exit_code == 3
+    assert str(info.value) == f"gates failed: target (domain); report: {tmp_path / 'report.md'}"
+    enforce(config(fail_on_inconclusive=True), failed, tmp_path)  # a FAIL is not an INCONCLUSIVE
+    open_verdict = {"eval": judge(config(), undecided)}
+    assert open_verdict["eval"]["verdict"] == "INCONCLUSIVE"
+    enforce(config(fail_on_gate=True), open_verdict, tmp_path)  # undecided: fail_on_gate alone does not exit
+    with pytest.raises(GatesInconclusive) as info:
+        enforce(config(fail_on_inconclusive=True), open_verdict, tmp_path)
+    assert info.value.exit_code == 4 and str(info.value).startswith("gates undecided: target (domain); report:")
 
 
 def test_report_opens_with_the_verdict_and_writes_flips(tmp_path):
@@ -221,15 +387,18 @@ def test_report_opens_with_the_verdict_and_writes_flips(tmp_path):
                                 "retention": {"max_drop": 0.02}}, out_dir=tmp_path)
     metrics = write_outputs(config, tmp_path, make_report())
     report = (tmp_path / "report.md").read_text()
-    assert report.startswith("# qwenft report: verdict-test\n\n## Verdict: FAIL (gates failed: retention)\n\n"
-                             "| gate | result | metric | n | base | tuned | delta | condition | 95% CI |\n")
-    assert "| domain | PASS | contains_fact | 3 | 0.333 | 0.667 | +0.333 | delta >= +0.200 |  |" in report
-    assert ("| retention: gsm8k | FAIL | exact_match,strict-match | 2 | 1.000 | 0.500 | -0.500 | delta >= -0.020 | "
-            "[-1.000, +0.000] |") in report
-    assert "| mmlu | acc | 4 | 0.500 | 0.750 | +0.250 | [-0.250, +0.750] |" in report  # the Benchmarks table
+    assert report.startswith("# qwenft report: verdict-test\n\n## Verdict: INCONCLUSIVE (undecided: domain, "
+                             "retention)\n\n| gate | asks | result | metric | n | base | tuned | delta | 95% CI | "
+                             "to decide |\n")
+    assert ("| target: domain | better than base by more than 0.200: delta > +0.200 | INCONCLUSIVE | contains_fact "
+            "| 3 | 0.333 | 0.667 | +0.333 | [") in report
+    assert "| retention: gsm8k | no worse than base by more than 0.020: delta >= -0.020 | INCONCLUSIVE |" in report
+    assert "Intervals: Newcombe paired score interval; paired bootstrap over items, 10,000 resamples." in report
+    assert "| mmlu | acc | 4 | 0.500 | 0.750 | +0.250 |" in report  # the Benchmarks table
     assert "## Flips" in report and report.index("## Verdict") < report.index("## Benchmarks")
     saved = json.loads((tmp_path / "metrics.json").read_text())["eval"]
-    assert saved["passed"] is False and saved["failed"] == ["retention"] == metrics["eval"]["failed"]
+    assert saved["verdict"] == "INCONCLUSIVE" and saved["passed"] is False and saved["failed"] == []
+    assert saved["inconclusive"] == ["domain", "retention"] == metrics["eval"]["inconclusive"]
     assert saved["score"] == pytest.approx(metrics["eval"]["score"]) and saved["benchmarks"]["mmlu"]["n"] == 4
     assert saved["flips"]["mmlu"] == {"kind": "benchmark", "metric": "acc", "judged": 4, "right_to_wrong": 1,
                                       "wrong_to_right": 2}
@@ -252,6 +421,7 @@ def test_report_opens_with_the_verdict_and_writes_flips(tmp_path):
     ({"domain": {"min": float("inf")}}, "eval.gates.domain.min"),
     ({"retention": {"max_drop": -0.1}}, "eval.gates.retention.max_drop"),
     ({"retention": {"metric": "char_f1", "max_drop": 0.1}}, "eval.gates.retention.metric"),
+    ({"target": {"metric": "char_f1", "min_delta": 0.1}}, "eval.gates.target.metric"),
     ({"domain": {"metric": "char_f1"}}, "eval.gates.domain"),  # no condition
     ({"domain": 0.2}, "eval.gates.domain"),
     ({"nosuch": {"min": 0.1}}, "eval.gates.nosuch"),
@@ -264,14 +434,33 @@ def test_bad_gates_are_config_errors_naming_the_key(gates, key):
     assert str(info.value).startswith((f"{key}=", f"{key}:", f"unknown key '{key}'")), str(info.value)
 
 
-def test_gate_names_need_held_out_rows_and_something_to_retain():
+@pytest.mark.parametrize("kwargs, key", [
+    ({"targets": ["nosuch"]}, "eval.targets[0]"),
+    ({"targets": ["domain", "perplexity_only"]}, "eval.targets[1]"),
+    ({"min_n": 0}, "eval.min_n"),
+    ({"min_n": 2.5}, "eval.min_n"),
+])
+def test_bad_targets_and_min_n_name_the_key(kwargs, key):
+    with pytest.raises(ConfigError) as info:
+        make_config(**kwargs)
+    assert str(info.value).startswith(f"{key}="), str(info.value)
+
+
+def test_gate_names_need_held_out_rows_and_group_gates_may_be_empty():
     with pytest.raises(ConfigError, match="holds out no rows"):
         Config(command="eval", data=DataConfig(sources=[DataSource(name="d", path="d.jsonl")]),
                eval=EvalConfig(gates={"d": {"min": 0.1}}))
-    with pytest.raises(ConfigError, match="eval.gates.retention.*nothing to judge"):
-        make_config(gates={"domain": {"min": 0}, "general": {"min": 0}, "retention": {"max_drop": 0}}, benchmarks=())
+    with pytest.raises(ConfigError, match="'target' names a data source"):
+        make_config(sources=("target", "general"))
+    # the default gates with nothing to retain: accepted, and the report says so
+    config = make_config(gates=GATES, benchmarks=(), sources=("domain",))
+    report = paired_report({"domain": ("contains_fact", [(0, 1)] * 30)})
+    verdict = judge(config, report)
+    assert verdict["verdict"] == "PASS" and verdict["gates"]["retention"]["status"] == "not judged"
     make_config(gates={"mmlu": {"min": 0.3}, "retention": {"max_drop": 0.05}})  # a benchmark gate: accepted
     make_config(gates={"mmlu": {"metric": "acc", "min": 0.3}})  # its own metric named: accepted
+    assert EvalConfig().gates == GATES and EvalConfig().min_n == 20  # the defaults every run gets
+    assert EvalConfig(gates={**GATES, "retention": None}).gates == {"target": {"min_delta": 0.0}}  # null drops one
 
 
 def test_a_gate_key_typo_gets_the_key_meant():
@@ -306,7 +495,7 @@ def test_score_is_logged_under_the_sweep_key():
         def log(cls, payload):
             cls.logged.update(payload)
 
-    from qwenft.evaluate.verdict import log_wandb
+    from qwenft.evaluate.verdict_text import log_wandb
 
     config = make_config(gates={"domain": {"min_delta": 0.9}})
     ev = {**judge(config, make_report()), "benchmarks": make_report()["benchmarks"]}
@@ -318,14 +507,15 @@ def test_score_is_logged_under_the_sweep_key():
 
 @pytest.fixture(scope="module")
 def gated_run(tmp_path_factory):
-    """A tiny-random `train` whose gate cannot pass (char_f1 >= 2), with eval.fail_on_gate=true."""
+    """A tiny-random `train` whose gate cannot pass (char_f1 >= 2: the whole interval is below), with
+    eval.fail_on_gate=true; eval.min_n=1 so its 4 held-out rows are judged."""
     from tests.conftest import run_train, train_overrides
 
     tmp = tmp_path_factory.mktemp("gates")
     run_dir = tmp / "run"
     args = [a for a in train_overrides(tmp, run_dir) if not a.startswith(("eval.after_train", "train.max_steps"))]
     result = run_train([*args, "train.max_steps=2", "eval.max_new_tokens=4", "eval.batch_size=4",
-                      "eval.gates={toy: {metric: char_f1, min: 2.0}}", "eval.fail_on_gate=true"])
+                      "eval.gates={toy: {metric: char_f1, min: 2.0}}", "eval.fail_on_gate=true", "eval.min_n=1"])
     return tmp, run_dir, result
 
 
@@ -338,30 +528,34 @@ def test_train_exits_3_after_writing_everything(gated_run):
         assert (run_dir / name).is_file(), name
     report = (run_dir / "report.md").read_text()
     assert report.startswith("# qwenft report: train\n\n## Verdict: FAIL (gates failed: toy)\n")
-    assert "| toy | FAIL | char_f1 | 4 |" in report and "tuned >= 2.000" in report
+    assert "| target: toy | tuned at least 2.000: tuned >= 2.000 | FAIL | char_f1 | 4 |" in report
     ev = json.loads((run_dir / "metrics.json").read_text())["eval"]
-    assert ev["passed"] is False and ev["gates"]["toy"]["items"][0]["checks"][0]["passed"] is False
+    assert ev["verdict"] == "FAIL" and ev["gates"]["toy"]["items"][0]["checks"][0]["status"] == "fail"
     assert "verdict: gates failed: toy" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow  # the command line's exit codes: four eval processes
 def test_eval_exit_codes(gated_run, tmp_path):
-    """`eval` with the adapter: 3 with fail_on_gate, 0 without (report still FAIL); the base alone: 0, not judged;
-    a bad gate key: 2 before any model loads (no run directory)."""
+    """`eval` with the adapter: 3 with fail_on_gate; 4 with fail_on_inconclusive when 4 rows < eval.min_n = 20
+    leave the gate undecided; the base alone: 0, not judged; a bad gate key: 2 before any model loads (no run
+    directory)."""
     from tests.conftest import run_qwenft as run_any
 
     tmp, run_dir, _ = gated_run
     source = f"data.sources=[{{name: toy, path: '{tmp / 'rows.jsonl'}', format: alpaca, weight: 1.0, eval_rows: 4}}]"
     common = ["model=tiny-random", "quant=none", source, "eval.max_new_tokens=4",
               "eval.gates={toy: {metric: char_f1, min: 2.0}}"]
-    failed = run_any("eval", *common, f"adapter={run_dir / 'adapter'}", "eval.fail_on_gate=true",
+    failed = run_any("eval", *common, f"adapter={run_dir / 'adapter'}", "eval.fail_on_gate=true", "eval.min_n=1",
                      f"out_dir={tmp_path / 'a'}", timeout=300)
     assert failed.returncode == 3, failed.stderr[-3000:]
     assert f"gates failed: toy; report: {tmp_path / 'a' / 'report.md'}" in failed.stderr.splitlines()[-1]
     assert (tmp_path / "a" / "flips.jsonl").is_file()
-    kept = run_any("eval", *common, f"adapter={run_dir / 'adapter'}", f"out_dir={tmp_path / 'b'}", timeout=300)
-    assert kept.returncode == 0, kept.stderr[-3000:]
-    assert (tmp_path / "b" / "report.md").read_text().startswith("# qwenft report: eval\n\n## Verdict: FAIL")
+    undecided = run_any("eval", *common, f"adapter={run_dir / 'adapter'}", "eval.min_n=20",
+                        "eval.fail_on_inconclusive=true", f"out_dir={tmp_path / 'b'}", timeout=300)
+    assert undecided.returncode == 4, undecided.stderr[-3000:]
+    assert "qwenft: verdict INCONCLUSIVE: gates undecided: toy; report:" in undecided.stderr.splitlines()[-1]
+    assert (tmp_path / "b" / "report.md").read_text().startswith("# qwenft report: eval\n\n## Verdict: "
+                                                                 "INCONCLUSIVE (undecided: toy)")
     base = run_any("eval", *common, "eval.fail_on_gate=true", f"out_dir={tmp_path / 'c'}", timeout=300)
     assert base.returncode == 0, base.stderr[-3000:]
     assert "## Verdict: not judged (no tuned side)" in (tmp_path / "c" / "report.md").read_text()
