@@ -105,6 +105,10 @@ def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: 
         if name in GROUPS:
             raise ConfigError(f"'{name}' names a data source or benchmark, but eval.gates.{name} is the gate of "
                               f"every {name} item: rename the source")
+    for name in by_name:
+        if name in benchmarks:
+            raise ConfigError(f"data.sources: '{name}' is both a data source and a benchmark (eval.benchmarks); "
+                              "rename the source")
     for i, name in enumerate(targets or []):
         _check(name in held_out or name in benchmarks, f"eval.targets[{i}]", name,
                f"a target is a held-out source ({', '.join(held_out) or 'none'}) or a benchmark "

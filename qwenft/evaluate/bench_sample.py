@@ -179,7 +179,8 @@ def plan_line(name: str, samples: Dict[str, List[int]], categories: Dict[str, st
     spread = Counter(categories.get(task, "") for task in samples)
     by_category = ", ".join(f"{c or 'uncategorised'} {n}" for c, n in sorted(spread.items()))
     ev = config.eval
-    return (f"benchmark {name}: {sum(sizes)} questions from {len(sizes)} subjects in blocks of {blocks} "
+    return (f"benchmark {name}: {sum(sizes)} questions from {len(sizes)} subject{'s' if len(sizes) != 1 else ''} "
+            f"in blocks of {blocks} "
             f"({by_category}; eval.bench_limit={ev.bench_limit}"
             f"{f' = {resolve_limit(config)} here' if ev.bench_limit == 'auto' else ''}, eval.bench_block={ev.bench_block}, "
             f"eval.bench_subtasks={ev.bench_subtasks}, eval.bench_seed={ev.bench_seed})")

@@ -38,5 +38,8 @@ def eval_command(config: Config) -> None:
     model, tokenizer = load_for_inference(config, tokenizer=tokenizer)  # evaluate() decides the decoding path
     metrics = evaluate_and_report(config, model, tokenizer, bundle, benchmarks,
                                   sides=("base", "tuned") if config.adapter else ("base",))
+    from qwenft.evaluate.verdict_text import summary_line
+
+    print(summary_line(metrics.get("eval") or {}))
     print(f"report: {Path(config.out_dir) / 'report.md'}")
     enforce(config, metrics, Path(config.out_dir))

@@ -189,29 +189,29 @@ def _judge_item(item: Dict[str, Any], gate: Dict[str, Any], min_n: int) -> Dict[
         status, reason = NOT_JUDGED, "no tuned side"
     elif gate.get("metric") and item["kind"] == "benchmark" and gate["metric"] != item["metric"]:
         status, reason = FAIL, f"the benchmark reports {item['metric']}, not {gate['metric']}"
-    elif not item["n"] or item["delta"] is None:
+    elif not item["n"] or item["delta"] is None:  # no row to judge: more rows of the same kind would not help
         status, reason = INCONCLUSIVE, (f"no row has a value of {item['metric']}" if item["metric"]
                                         else "no metric of eval.metrics applies to any row")
-        n_to_decide = min_n
-    elif item["n"] < min_n:
-        status, reason = INCONCLUSIVE, f"n = {item['n']} < eval.min_n = {min_n}"
-        known = [c["n_to_decide"] for c in checks if c["n_to_decide"] is not None]
-        n_to_decide = max([min_n, *known])
     else:
         status = _combine([c["status"] for c in checks])
         open_checks = [c for c in checks if c["status"] == INCONCLUSIVE]
-        if open_checks:
-            known = [c["n_to_decide"] for c in open_checks]
-            n_to_decide = None if None in known else max(known)
-            if n_to_decide is None:
-                reason = "the observed value is the threshold itself: more rows would not decide"
+        known = [c["n_to_decide"] for c in open_checks]
+        n_to_decide = None if None in known else max(known, default=None)
+        if status == INCONCLUSIVE and n_to_decide is None:
+            reason = "the observed value is the threshold itself: more rows would not decide"
+        if item["n"] < min_n:  # too few rows to decide either way, whatever the interval says
+            reason = f"n = {item['n']} < eval.min_n = {min_n}" + (
+                f"; on its interval alone: {status.upper()}" if status in (PASS, FAIL) else
+                f"; {reason}" if reason else "")
+            status = INCONCLUSIVE
+            n_to_decide = None if (open_checks and None in known) else max([min_n, *(k for k in known if k)])
     return {**item, "checks": checks, "status": status, "reason": reason, "n_to_decide": n_to_decide}
 
 
 def judge(config: Config, report: Dict[str, Any]) -> Dict[str, Any]:
     """The verdict of ``report``: ``{"verdict": "PASS" | "FAIL" | "INCONCLUSIVE" | "not judged" | "no gates",
-    "gates": {name: gate}, "passed": bool (verdict PASS), "failed": [names], "inconclusive": [names], "min_n",
-    "targets": [names], "score": float | None}``.
+    "gates": {name: gate}, "passed": bool (verdict PASS), "failed": [names], "inconclusive": [names], "ungated":
+    [items no gate covers], "min_n", "targets": [names], "score": float | None}``.
 
     A gate is ``{"role", "conditions": {...}, "status": "pass" | "fail" | "inconclusive" | "not judged", "reason",
     "items": [item + checks]}``: a source or benchmark gate has one item, ``target`` / ``retention`` one per item of
@@ -234,12 +234,14 @@ def judge(config: Config, report: Dict[str, Any]) -> Dict[str, Any]:
         if status == NOT_JUDGED:
             reason = "no tuned side" if judged else _nothing_to_judge(name)
         gates[name] = {"role": role, "conditions": conditions, "status": status, "reason": reason, "items": judged}
+    gated = {i["name"] for gate in gates.values() for i in gate["items"]}
+    ungated = [i["name"] for i in found if i["name"] not in gated]  # no gate covers them: said under the table
     failed = [name for name, gate in gates.items() if gate["status"] == FAIL]
     undecided = [name for name, gate in gates.items() if gate["status"] == INCONCLUSIVE]
     overall = _combine([g["status"] for g in gates.values()])
     verdict = NO_GATES if not gates else overall.upper() if overall != NOT_JUDGED else NOT_JUDGED
     return {"verdict": verdict, "gates": gates, "passed": verdict == PASS.upper(), "failed": failed,
-            "inconclusive": undecided, "min_n": min_n,
+            "inconclusive": undecided, "ungated": ungated, "min_n": min_n,
             "targets": [i["name"] for i in found if i["role"] == TARGET], "score": score(found)}
 
 
@@ -263,21 +265,22 @@ def score(found: List[Dict[str, Any]]) -> Optional[float]:
 
 def enforce(config: Config, metrics: Optional[Dict[str, Any]], out_dir: Path) -> None:
     """Raise when the verdict of ``metrics["eval"]`` asks for a non-zero exit: :class:`GatesFailed` (exit 3) when a
-    gate failed and ``eval.fail_on_gate`` is set; :class:`GatesInconclusive` (exit 4) when none failed, one is
-    inconclusive and ``eval.fail_on_inconclusive`` is set.
+    gate failed and ``eval.fail_on_gate`` or ``eval.fail_on_inconclusive`` is set (the stricter flag stops on a FAIL
+    too); :class:`GatesInconclusive` (exit 4) when none failed, one is inconclusive and ``eval.fail_on_inconclusive``
+    is set.
 
     Called after everything is written (metrics.json, report.md, flips.jsonl, the adapter); the CLI turns it into
     one line on stderr. ``metrics`` None: read ``out_dir/metrics.json`` (none there, or no ``eval`` in it: nothing
     was judged). A gate not judged (base only) never raises.
     """
-    if not (config.eval.fail_on_gate or config.eval.fail_on_inconclusive):
+    if not (config.eval.fail_on_gate or config.eval.fail_on_inconclusive):  # the stricter flag implies the other
         return
     if metrics is None:
         path = Path(out_dir) / "metrics.json"
         metrics = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     ev = metrics.get("eval") or {}
     report = Path(out_dir) / "report.md"
-    if config.eval.fail_on_gate and ev.get("failed"):
+    if ev.get("failed"):
         raise GatesFailed(f"gates failed: {_named(ev, ev['failed'], FAIL)}; report: {report}")
     if config.eval.fail_on_inconclusive and not ev.get("failed") and ev.get("inconclusive"):
         raise GatesInconclusive(f"gates undecided: {_named(ev, ev['inconclusive'], INCONCLUSIVE)}; report: {report}")

@@ -48,7 +48,7 @@ def _decide_text(item: Dict[str, Any]) -> str:
     if item["status"] != INCONCLUSIVE:
         return ""
     if item["n_to_decide"] is None:
-        return "no n (on the threshold)"
+        return "no n (on the threshold)" if "threshold" in (item["reason"] or "") else ""
     return f"n ≈ {item['n_to_decide']:,}"
 
 
@@ -86,7 +86,7 @@ def verdict_lines(config: Config, ev: Dict[str, Any]) -> List[str]:
             if not gate["items"]:
                 lines.append(f"| {name} |  | {gate['status']}: {gate['reason']} |  |  |  |  |  |  |  |")
             for item in gate["items"]:
-                label = f"{name}: {item['name']}" if name in GROUPS else f"{item['role']}: {name}"
+                label = f"{name}: {item['name']}" if name in GROUPS else f"{name} ({item['role']}, own gate)"
                 ci = _ci(item.get("ci95"))
                 if any(c["condition"] == "min" for c in item["checks"]) and item.get("tuned_ci95"):
                     ci = (ci + "; " if ci else "") + f"tuned {_ci(item['tuned_ci95'])}"
@@ -97,9 +97,11 @@ def verdict_lines(config: Config, ev: Dict[str, Any]) -> List[str]:
         methods = sorted({i["ci_method"] for g in gates.values() for i in g["items"] if i.get("ci_method")})
         min_n = ev.get("min_n", config.eval.min_n)
         lines += ["", f"PASS: the whole 95% interval meets the condition; FAIL: none of it does; INCONCLUSIVE: it "
-                      f"straddles the threshold, or fewer than eval.min_n = {min_n} rows were judged (to decide: "
-                      f"about the n that would decide at the observed effect). Targets: "
+                      f"straddles the threshold, or fewer than eval.min_n = {min_n} rows were judged, whatever the "
+                      f"interval (to decide: about the n that would decide at the observed effect). Targets: "
                       f"{', '.join(ev.get('targets') or []) or 'none'} (eval.targets); the rest is retention."]
+        if ev.get("ungated"):
+            lines.append(f"Not judged, no gate covers them: {', '.join(ev['ungated'])}.")
         if methods:
             lines.append(f"Intervals: {'; '.join(methods)}.")
         lines.append("")
@@ -150,6 +152,15 @@ def benchmark_lines(benchmarks: Optional[Dict[str, Dict[str, Any]]],
                       "s / question: the wall time of a side over its questions (blocks per subject share their "
                       "5-shot prefix).", ""] if methods else [])
     return lines
+
+
+def summary_line(ev: Dict[str, Any]) -> str:
+    """The verdict in one line for the console: ``verdict: FAIL (gates failed: a); INCONCLUSIVE: b``."""
+    parts = [f"gates failed: {', '.join(ev['failed'])}"] if ev.get("failed") else []
+    if ev.get("inconclusive"):
+        parts.append(f"undecided: {', '.join(ev['inconclusive'])}")
+    verdict = ev.get("verdict") or NO_GATES
+    return f"verdict: {verdict}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def log_wandb(wandb, ev: Dict[str, Any]) -> None:

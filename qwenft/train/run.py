@@ -227,5 +227,8 @@ def _evaluate_after_train(config: Config, model, tokenizer, bundle, benchmarks) 
     if model is None:
         gc.collect()
         model, tokenizer = _load_saved_adapter(config, Path(config.out_dir) / "adapter", tokenizer)
-    evaluate_and_report(config, model, tokenizer, bundle, benchmarks)
+    from qwenft.evaluate.verdict_text import summary_line
+
+    metrics = evaluate_and_report(config, model, tokenizer, bundle, benchmarks)
+    print(summary_line(metrics.get("eval") or {}))
     print(f"report: {Path(config.out_dir) / 'report.md'}")

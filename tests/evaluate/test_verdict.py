@@ -302,7 +302,8 @@ def test_a_medquad_shaped_run_never_passes_on_one_numeric_row():
     assert (target["name"], target["metric"], target["n"], target["status"]) == ("domain", "char_f1", 20, "pass")
     general_item = verdict["gates"]["retention"]["items"][0]
     assert (general_item["name"], general_item["metric"], general_item["n"]) == ("general", "char_f1", 10)
-    assert general_item["status"] == "inconclusive" and general_item["reason"] == "n = 10 < eval.min_n = 20"
+    assert general_item["status"] == "inconclusive"
+    assert general_item["reason"] == "n = 10 < eval.min_n = 20; on its interval alone: PASS"
     assert general_item["n_to_decide"] >= 20
     # judged on exact_match_number (a gate naming it): n = 1, still INCONCLUSIVE
     config.eval.gates = {**GATES, "general": {"metric": "exact_match_number", "max_drop": 0.02}}
@@ -311,7 +312,42 @@ def test_a_medquad_shaped_run_never_passes_on_one_numeric_row():
     lines = "\n".join(verdict_lines(config, verdict))
     assert "| target: domain | better than base: delta > +0.000 | PASS | char_f1 | 20 |" in lines
     assert ("| retention: general | no worse than base by more than 0.020: delta >= -0.020 | INCONCLUSIVE: n = 10 "
-            "< eval.min_n = 20 | char_f1 | 10 | 0.500 | 0.500 | +0.000 | [+0.000, +0.000] |") in lines
+            "< eval.min_n = 20; on its interval alone: PASS | char_f1 | 10 | 0.500 | 0.500 | +0.000 | "
+            "[+0.000, +0.000] | n ≈ 20 |") in lines
+
+
+def test_too_few_rows_decide_nothing_but_say_what_the_interval_would():
+    """n < eval.min_n is INCONCLUSIVE even when the interval lies wholly on one side (found by a new user: a 16-row
+    MMLU gate whose tuned interval was below `min`); the result names what the interval alone would say, and the
+    n to decide is at least min_n, or none when the observed value is the threshold itself."""
+    config = make_config(gates={"domain": {"min_delta": 0.0}, "general": {"min": 0.9}}, benchmarks=(), min_n=20)
+    report = paired_report({"domain": ("contains_fact", [(0, 0)] * 16),  # no change: delta 0 on the threshold
+                            "general": ("contains_fact", [(0, 0)] * 16)})  # tuned 0/16: Wilson [0, 0.19] < 0.9
+    gates = judge(config, report)["gates"]
+    general = gates["general"]["items"][0]
+    assert general["status"] == "inconclusive" and general["checks"][0]["status"] == "fail"
+    assert general["reason"] == "n = 16 < eval.min_n = 20; on its interval alone: FAIL"
+    domain = gates["domain"]["items"][0]
+    assert domain["status"] == "inconclusive" and domain["n_to_decide"] is None
+    assert domain["reason"].startswith("n = 16 < eval.min_n = 20; the observed value is the threshold itself")
+    lines = "\n".join(verdict_lines(config, judge(config, report)))
+    assert "| domain (target, own gate) |" in lines and "no n (on the threshold)" in lines
+
+
+def test_a_failed_condition_is_not_explained_by_another_conditions_threshold():
+    """min fails (tuned 0/30 < 0.9) while min_delta sits on its threshold (delta 0): FAIL, with no reason about
+    the threshold (which belongs to the undecided condition)."""
+    config = make_config(gates={"target": {"min_delta": 0.0, "min": 0.9}}, benchmarks=(), sources=("domain",))
+    item = judge(config, paired_report({"domain": ("contains_fact", [(0, 0)] * 30)}))["gates"]["target"]["items"][0]
+    assert item["status"] == "fail" and item["reason"] is None
+    assert [c["status"] for c in item["checks"]] == ["fail", "inconclusive"]
+
+
+def test_items_no_gate_covers_are_named():
+    config = make_config(gates={"target": {"min_delta": 0.0}}, targets=["general"])
+    verdict = judge(config, make_report())
+    assert verdict["ungated"] == ["domain", "mmlu", "gsm8k"]
+    assert "Not judged, no gate covers them: domain, mmlu, gsm8k." in "\n".join(verdict_lines(config, verdict))
 
 
 def test_targets_choose_what_is_judged_as_improvement():
@@ -371,7 +407,9 @@ def test_enforce_exit_codes_fail_then_inconclusive(tmp_path):
         enforce(config(fail_on_gate=True), failed, tmp_path)
     assert type(info.value) is GatesFailed and info.value.exit_code == 3
     assert str(info.value) == f"gates failed: target (domain); report: {tmp_path / 'report.md'}"
-    enforce(config(fail_on_inconclusive=True), failed, tmp_path)  # a FAIL is not an INCONCLUSIVE
+    with pytest.raises(GatesFailed) as info:  # the stricter flag stops on a FAIL too, with the FAIL's code
+        enforce(config(fail_on_inconclusive=True), failed, tmp_path)
+    assert type(info.value) is GatesFailed and info.value.exit_code == 3
     open_verdict = {"eval": judge(config(), undecided)}
     assert open_verdict["eval"]["verdict"] == "INCONCLUSIVE"
     enforce(config(fail_on_gate=True), open_verdict, tmp_path)  # undecided: fail_on_gate alone does not exit
@@ -390,8 +428,8 @@ def test_report_opens_with_the_verdict_and_writes_flips(tmp_path):
     assert report.startswith("# qwenft report: verdict-test\n\n## Verdict: INCONCLUSIVE (undecided: domain, "
                              "retention)\n\n| gate | asks | result | metric | n | base | tuned | delta | 95% CI | "
                              "to decide |\n")
-    assert ("| target: domain | better than base by more than 0.200: delta > +0.200 | INCONCLUSIVE | contains_fact "
-            "| 3 | 0.333 | 0.667 | +0.333 | [") in report
+    assert ("| domain (target, own gate) | better than base by more than 0.200: delta > +0.200 | INCONCLUSIVE | "
+            "contains_fact | 3 | 0.333 | 0.667 | +0.333 | [") in report
     assert "| retention: gsm8k | no worse than base by more than 0.020: delta >= -0.020 | INCONCLUSIVE |" in report
     assert "Intervals: Newcombe paired score interval; paired bootstrap over items, 10,000 resamples." in report
     assert "| mmlu | acc | 4 | 0.500 | 0.750 | +0.250 |" in report  # the Benchmarks table
@@ -452,6 +490,8 @@ def test_gate_names_need_held_out_rows_and_group_gates_may_be_empty():
                eval=EvalConfig(gates={"d": {"min": 0.1}}))
     with pytest.raises(ConfigError, match="'target' names a data source"):
         make_config(sources=("target", "general"))
+    with pytest.raises(ConfigError, match=r"^data.sources: 'mmlu' is both a data source and a benchmark"):
+        make_config(sources=("domain", "mmlu"))  # with no gate naming it (found by a new user)
     # the default gates with nothing to retain: accepted, and the report says so
     config = make_config(gates=GATES, benchmarks=(), sources=("domain",))
     report = paired_report({"domain": ("contains_fact", [(0, 1)] * 30)})
@@ -528,7 +568,7 @@ def test_train_exits_3_after_writing_everything(gated_run):
         assert (run_dir / name).is_file(), name
     report = (run_dir / "report.md").read_text()
     assert report.startswith("# qwenft report: train\n\n## Verdict: FAIL (gates failed: toy)\n")
-    assert "| target: toy | tuned at least 2.000: tuned >= 2.000 | FAIL | char_f1 | 4 |" in report
+    assert "| toy (target, own gate) | tuned at least 2.000: tuned >= 2.000 | FAIL | char_f1 | 4 |" in report
     ev = json.loads((run_dir / "metrics.json").read_text())["eval"]
     assert ev["verdict"] == "FAIL" and ev["gates"]["toy"]["items"][0]["checks"][0]["status"] == "fail"
     assert "verdict: gates failed: toy" in (run_dir / "train.log").read_text()
