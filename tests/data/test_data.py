@@ -812,7 +812,7 @@ def test_eval_rows_larger_than_a_source_is_clamped_or_refused(tmp_path, monkeypa
     captured = capsys.readouterr()
     assert ("domain (qa.csv): data.sources.0.eval_rows=50 is more than its 30 usable rows; clamped to 10 (a third), "
             "leaving 20 rows for training") in captured.err
-    assert "eval examples: 20 (domain 10, general 10)" in captured.out
+    assert "eval examples: 50 (domain 10, general 40)" in captured.out  # general: the recipe's 40 (min_n 20 to judge)
     qa_csv(tmp_path / "small.csv", 2)
     with pytest.raises(SystemExit) as info:
         main([*command[:4], "data.sources.0.path=small.csv", command[-1]])
