@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "qwenft"
 MAX_LINES = 400
 # The lower rooms, which no command room may be imported by: each may import only rooms listed after it here.
-LOWER = ["model", "data", "kernels", "chat", "memory", "runtime", "runlock", "files", "logfilter", "resources",
+LOWER = ["model", "preference", "data", "kernels", "chat", "memory", "runtime", "runlock", "files", "logfilter", "resources",
          "config"]
 COMMANDS = ["train", "evaluate", "generation", "export", "plan", "inspect", "recipes", "serve"]
 ENTRY = ["cli"]

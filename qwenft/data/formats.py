@@ -335,3 +335,8 @@ def top_level_fields(fmt: str) -> tuple:
     :data:`~qwenft.config.FORMAT_FIELDS` less the role and content keys, which live inside the turns."""
     turn_keys = FORMAT_FIELDS[fmt][1:3] if fmt in TURN_FORMATS else ()
     return tuple(name for name in FORMAT_FIELDS[fmt] if name not in turn_keys)
+
+
+# The field readers under public names, for the preference formats (:mod:`qwenft.preference.formats`), which read a
+# row's fields exactly as the formats above do.
+field_label, field_value, text_value, list_value = _label, _get, _string, _list

@@ -208,6 +208,9 @@ def _tokenize(tokenizer, texts: List[str]) -> List[List[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+tokenize_texts = _tokenize  # the public name, for the preference pairs (qwenft.preference.data)
+
+
 def encode_example(tokenizer, messages: Sequence[Dict[str, str]], *, max_seq_len: int, train_on: str,
                    system_prompt: Optional[str] = None) -> Dict[str, object]:
     """Tokenize one conversation with response-only labels.
