@@ -17,6 +17,7 @@ data_tokenization   num_proc=2 / num_proc=1 rows per second                     
 perplexity          batched (8 windows) / one window per forward, tokens/s        >= 1.0
 plan_accuracy       planned / measured peak memory of a training step, per case   within 15%
 bench_eval          qwenft / lm-eval HFLM MMLU questions/s, per dtype             >= 3
+dpo_step            qwenft / TRL DPOTrainer seconds per step; peak RSS            <= 1.0; <= 0.8
 ==================  ============================================================  ======================
 
 bench_eval (4 MMLU subjects x 6 questions, float32 then bfloat16) was added after the timings above and is not
@@ -73,6 +74,11 @@ SUITE: List[Tuple[str, List[str], List[str], Callable[[dict], Dict[str, float]],
     ("plan_accuracy", [], ["--quick"], _plan, "planned / measured peak memory", "within 1 +- 0.15"),
     ("bench_eval", [], ["--quick"], lambda d: dict(d["ratio_qwenft_over_hflm"]),
      "qwenft / lm-eval HFLM MMLU questions/s", ">= 3"),
+    # each arm a fresh interpreter per round: 2 rounds (ABBA) keep it to 4 children
+    ("dpo_step", ["--rounds", "2"], ["--quick", "--rounds", "2"],
+     lambda d: {"time_qwenft_over_trl": d["ratio_qwenft_over_trl"],
+                "memory_qwenft_over_trl": d["memory_ratio_qwenft_over_trl"]},
+     "qwenft / TRL DPOTrainer s/step; peak RSS", "<= 1.0; <= 0.8"),
 ]
 NAMES = [entry[0] for entry in SUITE]
 

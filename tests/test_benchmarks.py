@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -176,6 +177,41 @@ def test_bench_eval_quick_mode_compares_both_arms_per_question(tmp_path, bench_d
     assert fp32["max_abs_loglik_diff"] < result["fp32_tolerance"] and fp32["same_predictions"] == 4
 
 
+@pytest.mark.slow  # a benchmark script in a new interpreter (both arms in it, --in-process), TRL's DPOTrainer
+def test_dpo_step_quick_mode_trains_both_arms_on_the_same_tokens(tmp_path):
+    """benchmarks/dpo_step.py --quick: qwenft's preference trainer and TRL's DPOTrainer + peft on tiny-random, the
+    same pairs as the same tokens in the same order; both first losses ln 2 (the policy is the reference before
+    the first update), the same first gradient; step times, peaks and ratios recorded."""
+    pytest.importorskip("trl")
+    proc = subprocess.run([sys.executable, "benchmarks/dpo_step.py", "--quick", "--in-process", "--rounds", "1"],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "dpo_step_quick.json").read_text())
+    settings = result["settings"]
+    assert settings["model"] == "tiny-random" and settings["objective"] == "dpo" and settings["beta"] == 0.1
+    assert settings["order"] == ["qwenft", "trl"] and settings["pairs_per_step"] == 2
+    assert settings["data_stats"]["truncated"] == 0 and settings["train_pairs"] == 80  # nothing cut, none held out
+    assert settings["qwenft"]["padding_free"] is True and settings["trl"]["projects_every_position"] is True
+    assert result["same_tokens"] is True and result["same_rows"] is True
+    assert result["first_step_loss_is_ln2"] is True
+    # Same LoRA init, pairs and loss: the first gradients agree to float rounding (5e-8 relative measured, fp32)
+    assert result["first_grad_norm_rel_diff"] < 1e-4 and result["second_step_loss_abs_diff"] < 1e-3
+    for arm in ("qwenft", "trl"):
+        a = result["arms"][arm]
+        assert a["timed_steps"] == 2 and a["first_step_losses"] == [pytest.approx(math.log(2), abs=1e-6)], arm
+        assert a["min_s_per_step"] <= a["p25_s_per_step"] <= a["median_s_per_step"] <= a["max_s_per_step"]
+        assert all(_positive(a[k]) for k in ("tokens_per_s", "peak_train_bytes", "peak_load_bytes")), a
+        assert a["peak_train_bytes"] <= a["peak_train_call_bytes"] and len(a["losses"][0]) == 3, a
+        [run] = result["runs"][arm]
+        assert len(run["seconds_per_step"]) == len(run["batches"]) == len(run["step_peak_bytes"]) == 3
+    q, t = result["runs"]["qwenft"][0]["batches"], result["runs"]["trl"][0]["batches"]
+    # qwenft packs the 2B sequences in one row; TRL pads them to the longest: more positions, the same tokens
+    assert all(a["positions"] == a["tokens"] <= b["positions"] for a, b in zip(q, t))
+    assert [a["answer_tokens"] for a in q] == [b["answer_tokens"] for b in t]
+    assert result["ratio_qwenft_over_trl"] == pytest.approx(statistics.median(result["paired_ratios"]))
+    assert _positive(result["memory_ratio_qwenft_over_trl"]) and result["targets"] == {"time": 1.0, "memory": 0.8}
+
+
 @pytest.mark.slow  # a benchmark script: train, eval, plan in new interpreters
 def test_eval_memory_quick_mode_measures_after_train_later_eval_and_plan(tmp_path):
     """benchmarks/eval_memory.py --quick: train (with its after-train evaluation), a later `qwenft eval` of the same
@@ -259,7 +295,8 @@ def test_cpu_suite_quick_mode(tmp_path):
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert suite["quick"] is True
     entries = {e["name"]: e for e in suite["benchmarks"]}
-    assert list(entries) == ["sampler", "train_step", "data_tokenization", "perplexity", "plan_accuracy", "bench_eval"]
+    assert list(entries) == ["sampler", "train_step", "data_tokenization", "perplexity", "plan_accuracy", "bench_eval",
+                             "dpo_step"]
     for name, entry in entries.items():
         assert entry["status"] == "ok", entry
         assert _positive(entry["seconds"]) and entry["ratios"], entry

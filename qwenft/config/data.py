@@ -17,7 +17,32 @@ FORMAT_FIELDS = {
     "sharegpt": ("conversations", "from", "value", "system"),
     "text": ("text",),
 }
+# Preference formats (qwenft.preference.formats: pairs for DPO / IPO / SimPO / ORPO, labelled answers for KTO) and
+# the fields each reads; ``preference`` detects the format on the first row.
+PREFERENCE_FIELDS = {
+    "pairs_alpaca": ("instruction", "input", "chosen", "rejected", "system"),
+    "pairs_sharegpt": ("conversations", "from", "value", "chosen", "rejected", "system"),
+    "pairs_trl": ("prompt", "chosen", "rejected", "role", "content"),
+    "hh_rlhf": ("chosen", "rejected"),
+    "kto": ("messages", "role", "content", "label"),
+    "kto_trl": ("prompt", "completion", "label", "role", "content"),
+}
+PREFERENCE_AUTO = "preference"
+UNPAIRED_FORMATS = ("kto", "kto_trl")
 FILE_TYPES = ("json", "jsonl", "csv", "tsv", "parquet", "txt", "arrow")  # given as format=: a file type, not a shape
+
+
+def is_preference(fmt: str) -> bool:
+    """Whether ``fmt`` (a source's ``format``) is a preference format (or ``preference``, detected)."""
+    return fmt in PREFERENCE_FIELDS or fmt == PREFERENCE_AUTO
+
+
+def source_fields(fmt: str) -> tuple:
+    """The fields ``columns`` may map for a source of format ``fmt`` (for ``preference``: every preference
+    format's)."""
+    if fmt == PREFERENCE_AUTO:
+        return tuple(dict.fromkeys(name for names in PREFERENCE_FIELDS.values() for name in names))
+    return FORMAT_FIELDS.get(fmt) or PREFERENCE_FIELDS[fmt]
 
 
 def format_shape(fmt: str) -> str:
@@ -57,16 +82,18 @@ class DataSource:
     def __post_init__(self) -> None:
         _check(str(self.format).lower().lstrip(".") not in FILE_TYPES, f"data.sources[{self.name}].format", self.format,
                "the file type comes from the path's extension (.json, .jsonl, .csv, .parquet); format is the shape of "
-               f"its rows, one of: {'; '.join(f'{k} ({format_shape(k)})' for k in FORMAT_FIELDS)}")
-        _check_choice(f"data.sources[{self.name}].format", self.format, tuple(FORMAT_FIELDS))
+               f"its rows, one of: {'; '.join(f'{k} ({format_shape(k)})' for k in FORMAT_FIELDS)}; for preference "
+               f"training: {', '.join(PREFERENCE_FIELDS)} or {PREFERENCE_AUTO} (detected)")
+        _check_choice(f"data.sources[{self.name}].format", self.format,
+                      (*FORMAT_FIELDS, *PREFERENCE_FIELDS, PREFERENCE_AUTO))
         for key, value in self.replace.items():
             _check(re.fullmatch(r"[^\W\d]\w*", str(key)) is not None and isinstance(value, str),
                    f"data.sources[{self.name}].replace.{key}", value,
                    "needs a placeholder name (letters, digits, _) and a text: replace={name: Ada} fills {{name}}")
         for key in self.columns:  # keys: the format's field names; values: the file's
-            _check(key in FORMAT_FIELDS[self.format], f"data.sources[{self.name}].columns.{key}", self.columns[key],
+            _check(key in source_fields(self.format), f"data.sources[{self.name}].columns.{key}", self.columns[key],
                    f"{key!r} is not a field of the {self.format} format; the keys allowed are its fields: "
-                   f"{', '.join(FORMAT_FIELDS[self.format])} (columns={{FIELD: the file's name for it}})")
+                   f"{', '.join(source_fields(self.format))} (columns={{FIELD: the file's name for it}})")
         _check(self.weight >= 0, f"data.sources[{self.name}].weight", self.weight, "must be >= 0")
         _check(self.max_rows is None or self.max_rows > 0, f"data.sources[{self.name}].max_rows", self.max_rows,
                "must be a positive integer or null")

@@ -91,7 +91,8 @@ class EvalConfig:
                                                                               for t in self.targets)),
                "eval.targets", self.targets, "must be null (the first held-out source), [] or a list of source names")
         for name in self.metrics:
-            _check_choice("eval.metrics", name, ("exact_match_number", "char_f1", "rouge_l", "contains_fact"))
+            _check_choice("eval.metrics", name, ("exact_match_number", "char_f1", "rouge_l", "contains_fact",
+                                                 "pref_accuracy"))
         _check(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens,
                "must be null (the preset's) or >= 1")
         _check(self.ppl_max_tokens >= 2, "eval.ppl_max_tokens", self.ppl_max_tokens, "must be >= 2 tokens")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from qwenft.config.base import COMMANDS, _check, _check_choice
-from qwenft.config.data import DataConfig
+from qwenft.config.data import UNPAIRED_FORMATS, DataConfig, is_preference
 from qwenft.config.dist import DistConfig
 from qwenft.config.evaluate import EvalConfig
 from qwenft.config.export import MergeConfig
@@ -17,12 +17,15 @@ from qwenft.config.inspect import InspectConfig
 from qwenft.config.model import LoraConfig, ModelConfig, QuantConfig
 from qwenft.config.plan import PlanConfig
 from qwenft.config.serve import ServeConfig
-from qwenft.config.train import TrainConfig, WandbConfig
+from qwenft.config.train import PrefConfig, TrainConfig, WandbConfig
 
 
 @dataclass
 class Config:
     """The whole run. ``command`` is set by the CLI; ``out_dir`` is the run directory.
+
+    ``init_adapter``: ``train`` starts from this saved adapter (an SFT run's ``adapter/`` or run directory) instead of
+    a fresh one, with its LoRA settings; for a preference objective that adapter, frozen, is also the reference.
 
     ``generate_presets``: every ``conf/generate`` preset by name, composed by Hydra (``conf/config.yaml``'s defaults
     list); ``eval.generate`` names the one evaluation samples with (:func:`qwenft.evaluate.run.generate_preset`).
@@ -33,6 +36,7 @@ class Config:
     out_dir: str = "outputs"
     logger: str = "none"
     adapter: Optional[str] = None
+    init_adapter: Optional[str] = None
     prompt: Optional[str] = None
     prompts_file: Optional[str] = None
     chat: bool = True
@@ -42,6 +46,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     merge: MergeConfig = field(default_factory=MergeConfig)
@@ -72,3 +77,37 @@ class Config:
         if self.command == "train" and self.data.sources:  # eval may use evaluation-only (weight 0) sources
             _check(sum(s.weight for s in self.data.sources) > 0, "data.sources.weight",
                    [s.weight for s in self.data.sources], "at least one weight must be > 0 to train")
+            self.check_objective()
+
+    def check_objective(self) -> None:
+        """The training sources fit ``train.objective``: SFT trains on SFT formats, a preference objective on
+        preference formats (pairs; KTO also on ``kto`` / ``kto_trl`` labelled answers, and on pairs, each answer
+        then one labelled example); a weight-0 source of another kind may still be held out for evaluation.
+
+        Raises:
+            ConfigError: naming the source and the setting to change.
+        """
+        objective = self.train.objective
+        if objective != "sft":
+            _check(self.dist.strategy in ("none", "ddp"), "dist", self.dist.strategy,
+                   f"train.objective={objective} runs on one process or DDP (dist=none, dist=ddp); sharded "
+                   "preference training (FSDP, DeepSpeed) is not supported yet")
+            _check(objective != "kto" or self.train.batch_size >= 2, "train.batch_size", self.train.batch_size,
+                   "must be >= 2 for train.objective=kto: its KL estimate pairs each prompt with another example's "
+                   "answer in the same batch")
+        for i, src in enumerate(self.data.sources):
+            if src.weight <= 0:
+                continue
+            key = f"data.sources[{src.name}].format"
+            if objective == "sft":
+                _check(not is_preference(src.format), key, src.format,
+                       "is a preference format: train on it with train.objective=dpo (or ipo, simpo, orpo, kto), "
+                       "or give it weight 0 to evaluate on it")
+            else:
+                _check(is_preference(src.format), key, src.format,
+                       f"is an SFT format, and train.objective={objective} trains on preference sources only (a "
+                       f"preference format: pairs_alpaca, pairs_sharegpt, pairs_trl, hh_rlhf, kto, kto_trl, or "
+                       f"preference to detect it); set data.sources.{i}.weight=0 to evaluate on it")
+                _check(objective == "kto" or src.format not in UNPAIRED_FORMATS, key, src.format,
+                       f"holds unpaired labelled answers: train.objective={objective} needs pairs (chosen and "
+                       "rejected); use train.objective=kto")

@@ -47,7 +47,7 @@ def render_example(tokenizer, input_ids: Sequence[int], labels: Sequence[int], m
     return text
 
 
-def _source_table(stats: Dict[str, Any]):
+def source_table(stats: Dict[str, Any]):
     from rich.table import Table
 
     table = Table(title="rows per source (used = training examples per epoch; target / achieved share)",
@@ -62,7 +62,7 @@ def _source_table(stats: Dict[str, Any]):
     return table
 
 
-def _context_warning(config: Config, model_dir) -> "str | None":
+def context_warning(config: Config, model_dir) -> "str | None":
     """The rope.context_warning for data.max_seq_len against the model's config.json (None if unreadable)."""
     import json
     from pathlib import Path
@@ -77,7 +77,8 @@ def _context_warning(config: Config, model_dir) -> "str | None":
 
 
 def data_command(config: Config) -> None:
-    """Build the data of ``config`` and print counts, ratio, token lengths and one masked example.
+    """Build the data of ``config`` and print counts, ratio, token lengths and one masked example (for preference
+    data, :func:`pair_preview`).
 
     Loads only the tokenizer (never model weights): rows per source, ratio achieved, token-length
     p50 / p95 / max, truncated / dropped / skipped counts, supervised-token share, then the first training
@@ -86,6 +87,10 @@ def data_command(config: Config) -> None:
     Raises:
         QwenftError: a bad model source or bad data (one line, exit 2 through the CLI).
     """
+    from qwenft.preference.pipeline import has_preference
+
+    if has_preference(config):
+        return pair_preview(config)
     from qwenft.data.pipeline import build
     from qwenft.logfilter import result_console
     from qwenft.model import load_tokenizer, tokenizer_dir
@@ -97,7 +102,7 @@ def data_command(config: Config) -> None:
     bundle = build(config, tokenizer)
     stats = bundle.stats
     console = result_console(highlight=False)  # not a terminal: full width (COLUMNS when set), no cell cut
-    console.print(_source_table(stats))
+    console.print(source_table(stats))
     tokens = stats["tokens"]
     ratio = " : ".join(f"{c['used']}" for c in stats["sources"].values() if c["weight"] > 0)
     shares = " / ".join(f"{c['share_achieved']:.3f}" for c in stats["sources"].values() if c["weight"] > 0)
@@ -118,7 +123,7 @@ def data_command(config: Config) -> None:
     console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es); data ready in "
                   f"{tokenizer_seconds + stats['seconds']:.1f} s (tokenizer {tokenizer_seconds:.1f} s, "
                   f"build {stats['seconds']:.1f} s)")
-    warning = _context_warning(config, model_dir)
+    warning = context_warning(config, model_dir)
     if warning:
         console.print(f"[yellow]warning:[/] {warning}")
     sample = bundle.sample
@@ -132,6 +137,61 @@ def data_command(config: Config) -> None:
                        + ("supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted")), width=rule_width)
     console.print(render_example(tokenizer, sample["input_ids"], sample["labels"], markers))
     console.print(Rule(), width=rule_width)
+
+
+def pair_preview(config: Config) -> None:
+    """``qwenft data`` for a run with preference sources (tokenizer only, no weights): what was read and kept per
+    source, then the first training pair: its prompt (not supervised) with the chosen answer, then with the rejected
+    one, the supervised tokens marked (KTO: the first example and its label).
+
+    Raises:
+        QwenftError: a bad model source or bad data (one line, exit 2 through the CLI).
+    """
+    from rich.rule import Rule
+
+    from qwenft.logfilter import result_console
+    from qwenft.model import load_tokenizer, tokenizer_dir
+    from qwenft.preference.pipeline import build_preference
+
+    start = time.perf_counter()
+    model_dir = tokenizer_dir(config.model)
+    tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
+    tokenizer_seconds = time.perf_counter() - start
+    bundle = build_preference(config, tokenizer)
+    stats = bundle.stats
+    console = result_console(highlight=False)
+    console.print(source_table(stats))
+    unit = "examples" if config.train.objective == "kto" else "pairs"
+    tokens = stats["tokens"]
+    console.print(f"objective: {config.train.objective}; training {unit}: {stats['train_examples']}; held out: "
+                  f"{', '.join(f'{n} {len(r)}' for n, r in bundle.eval_rows.items()) or 'none'}")
+    console.print(f"tokens per {unit[:-1]} (prompt + each answer): p50 {tokens['p50']}, p95 {tokens['p95']}, "
+                  f"max {tokens['max']} (max_seq_len {stats['max_seq_len']} per sequence, "
+                  f"overlong={config.data.overlong})")
+    console.print(f"truncated: {stats['truncated']}, dropped: {stats['dropped']}, skipped bad rows: "
+                  f"{stats['skipped']}; answer tokens: {stats['supervised_share']:.1%}")
+    console.print(f"tokenized cache: {stats['cache_hits']} hit(s), {stats['cache_misses']} miss(es); data ready in "
+                  f"{tokenizer_seconds + stats['seconds']:.1f} s")
+    warning = context_warning(config, model_dir)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}")
+    sample = bundle.sample
+    if sample is None:
+        return
+    markers = console.color_system is None
+    width = min(console.width, RULE_WIDTH)
+    prompt = list(sample["prompt_ids"])
+    masked = [IGNORE_INDEX] * len(prompt)
+    if "completion_ids" in sample:  # KTO
+        answers = [(f"answer ({'desirable' if sample['label'] else 'undesirable'})", sample["completion_ids"])]
+    else:
+        answers = [("chosen", sample["chosen_ids"]), ("rejected", sample["rejected_ids"])]
+    how = "supervised tokens in ⟦ ⟧" if markers else "supervised tokens highlighted"
+    for label, answer in answers:
+        console.print(Rule(f"{sample['source']}, first training {unit[:-1]}: {label}, {len(prompt)} prompt + "
+                           f"{len(answer)} answer tokens; {how}"), width=width)
+        console.print(render_example(tokenizer, prompt + list(answer), masked + list(answer), markers))
+    console.print(Rule(), width=width)
 
 
 def cache_command(args: Sequence[str]) -> None:

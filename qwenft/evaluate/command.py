@@ -25,7 +25,7 @@ def eval_command(config: Config) -> None:
         DataError: bad held-out data, before the weights load (the data is read with the tokenizer alone).
         GatesFailed: a gate failed under ``eval.fail_on_gate=true``, once everything is written (the CLI exits 3).
     """
-    from qwenft import data as data_lib
+    from qwenft.preference.pipeline import build_run_data
     from qwenft.model import load_tokenizer, resolve_model_dir
     from qwenft.model.lora import load_for_inference, prepare_inference
 
@@ -34,7 +34,7 @@ def eval_command(config: Config) -> None:
     benchmarks = check_settings(config)  # unknown names, missing files, bad rows: refused before any load
     tokenizer = load_tokenizer(resolve_model_dir(config.model),
                                config.model.revision if config.model.source == "hub" else None)
-    bundle = data_lib.build(config, tokenizer) if config.data.sources else None
+    bundle = build_run_data(config, tokenizer)
     model, tokenizer = load_for_inference(config, tokenizer=tokenizer)  # evaluate() decides the decoding path
     metrics = evaluate_and_report(config, model, tokenizer, bundle, benchmarks,
                                   sides=("base", "tuned") if config.adapter else ("base",))

@@ -167,6 +167,7 @@ def contains_fact(prediction: str, fact: Optional[str]) -> Optional[float]:
     return float(squash(str(fact)) in squash(prediction))
 
 
+LOGPROB_METRICS = ("pref_accuracy",)  # from the answers' log-probs on held-out pairs, not from the generated text
 METRICS = {"exact_match_number": exact_match_number, "char_f1": char_f1, "rouge_l": rouge_l}
 
 
@@ -176,7 +177,9 @@ def score(prediction: str, reference: str, names: Sequence[str],
     ``contains_fact`` against ``meta["fact"]``; None where the row cannot be scored (see the module docstring)."""
     values: Dict[str, Optional[float]] = {}
     for name in names:
-        if name == "contains_fact":
+        if name in LOGPROB_METRICS:  # not a property of the text: filled in by qwenft.evaluate.preference
+            values[name] = None
+        elif name == "contains_fact":
             values[name] = contains_fact(prediction, (meta or {}).get("fact"))
         else:
             values[name] = METRICS[name](prediction, reference)

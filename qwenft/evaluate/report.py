@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config
+from qwenft.evaluate.preference import preference_lines
 from qwenft.evaluate.flips import find_flips, flip_counts, flip_lines, write_flips
 from qwenft.evaluate.verdict import judge
 from qwenft.evaluate.verdict_text import benchmark_lines, verdict_lines
@@ -246,6 +247,7 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
         lines += metric_table(by_side) + [""]
     if "metrics" in plots:
         lines += [f"![metrics]({plots['metrics'].name})", ""]
+    lines += preference_lines(ev.get("preference") or {}, ev["sources"])
     lines += benchmark_lines(ev.get("benchmarks"), ev.get("benchmarks_skipped"))
     if ev["perplexity"]:
         both = any("ratio" in by_side for by_side in ev["perplexity"].values())
@@ -267,7 +269,9 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
         for source, source_rows in rows.items():
             for row in source_rows[:n]:
                 lines += [f"**{source} row {row.get('row')}**: {_one_line(row['prompt'])}", "",
-                          f"- reference: {_one_line(row['reference'])}"]
+                          f"- {'chosen' if 'rejected' in row else 'reference'}: {_one_line(row['reference'])}"]
+                if "rejected" in row:
+                    lines.append(f"- rejected: {_one_line(row['rejected'])}")
                 for side in ("base", "tuned"):
                     if side in row:
                         lines.append(f"- {side} ({row[side]['stop_reason']}): {_one_line(row[side]['text'])}")
@@ -296,6 +300,8 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
                        **({"engine": report["engine"]} if "engine" in report else {}),
                        "settings_from": settings_from(config)}
     metrics["memory"] = {**metrics.get("memory", {}), **report.get("memory", {})}  # each phase's peak: train, eval
+    if report.get("preference"):
+        metrics["eval"]["preference"] = report["preference"]
     if report.get("benchmarks"):
         metrics["eval"]["benchmarks"] = report["benchmarks"]
     if report.get("bench_skipped"):

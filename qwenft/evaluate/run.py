@@ -81,6 +81,9 @@ def summarise(results: List[dict], metrics: List[str]) -> Dict[str, Optional[flo
     for name in metrics:
         values = [r[name] for r in results if r[name] is not None]
         summary[name] = sum(values) / len(values) if values else None
+    margins = [r["pref_margin"] for r in results if r.get("pref_margin") is not None]
+    if margins:  # held-out preference pairs (qwenft.evaluate.preference)
+        summary["pref_margin"] = sum(margins) / len(margins)
     summary["answer_tokens"] = sum(r["tokens"] for r in results) / n
     summary["stop_rate"] = sum(r["stop_reason"] != "length" for r in results) / n  # ended by EOS / stop string
     summary["distinct_2"] = distinct_n([r["text"] for r in results], 2)
@@ -151,6 +154,7 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchma
         ``{"sources": {name: {side: summary}}, "perplexity": {name: {side: {...}}}, "rows": {name: [...]},
         "engine": {...}}``.
     """
+    from qwenft.evaluate.preference import PAIR_KEYS, is_pair_row, pair_scores, preference_summary
     from qwenft.generation import Sampler
     from qwenft.generation.engine import batch_sizes, prepare_for_decoding
 
@@ -185,6 +189,11 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchma
             for name, rows in eval_rows.items():
                 results = generation_eval(sampler, config, rows, rows_per_batch, f"{side}, {name}",
                                           f"{progress} ({name})" if progress else None)
+                if any(is_pair_row(row) for row in rows):  # held-out preference pairs: which answer is preferred
+                    scores = pair_scores(side_model, rows, windows_per_batch, tokenizer.pad_token_id,
+                                         config.train.objective)
+                    for result, extra in zip(results, scores):
+                        result.update(extra or dict.fromkeys(PAIR_KEYS))
                 report["sources"].setdefault(name, {})[side] = summarise(results, config.eval.metrics)
                 report["rows"].setdefault(name, [{} for _ in rows])
                 for slot, result in zip(report["rows"][name], results):
@@ -207,10 +216,14 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchma
     for name, by_side in report["perplexity"].items():
         if "base" in by_side and "tuned" in by_side:
             by_side["ratio"] = by_side["tuned"]["perplexity"] / by_side["base"]["perplexity"]
+    summaries = {name: preference_summary(report["rows"][name], config.eval.bench_seed) for name in eval_rows}
+    report["preference"] = {name: value for name, value in summaries.items() if value is not None}
     for name, rows in eval_rows.items():
         for slot, row in zip(report["rows"][name], rows):
             slot.update({"source": name, "row": row.get("row"), "prompt": row["messages"][-2]["content"]
                          if len(row["messages"]) > 1 else "", "reference": row["messages"][-1]["content"]})
+            if row.get("rejected") is not None:
+                slot["rejected"] = row["rejected"]
     return report
 
 

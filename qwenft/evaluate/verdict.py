@@ -49,7 +49,7 @@ import qwenft.evaluate.intervals as intervals
 log = logging.getLogger(__name__)
 
 SCORE_KEY = "eval/score"  # the W&B key of eval.score: recipes/sweeps/*.yaml maximise exactly this
-BINARY_METRICS = ("contains_fact", "exact_match_number")  # 0/1 per row; the others are right at a threshold
+BINARY_METRICS = ("contains_fact", "exact_match_number", "pref_accuracy")  # 0/1 per row; the others are right at a threshold
 TOLERANCE = 1e-9  # 0.75 - 0.55 meets a threshold of 0.2
 PASS, FAIL, INCONCLUSIVE, NOT_JUDGED = "pass", "fail", "inconclusive", "not judged"
 NO_GATES = "no gates"

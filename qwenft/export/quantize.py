@@ -126,13 +126,13 @@ def run_inputs(cfg: Config, out: Path):
     """
     from transformers import GenerationConfig
 
-    from qwenft import data as data_lib
+    from qwenft.preference.pipeline import build_run_data
     from qwenft.chat import stop_token_ids
     from qwenft.export.costs import Inputs
     from qwenft.model import load_tokenizer
 
     tokenizer = load_tokenizer(str(out))
-    bundle = data_lib.build(cfg, tokenizer) if cfg.data.sources else None
+    bundle = build_run_data(cfg, tokenizer)
     return Inputs(cfg, bundle, tokenizer, stop_token_ids(tokenizer, GenerationConfig.from_pretrained(out)))
 
 

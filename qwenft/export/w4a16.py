@@ -130,19 +130,26 @@ def width_problem(config: dict, method: str) -> Optional[str]:
 
 
 def calibration_rows(train, count: int, seed: int) -> Tuple[List[List[int]], int]:
-    """``count`` distinct training examples (their ``input_ids``, ``[seq]`` each) drawn with ``seed``.
+    """``count`` distinct training examples (their ``input_ids``, or for a preference run the prompt and the chosen
+    answer, KTO's prompt and answer; ``[seq]`` each) drawn with ``seed``.
 
     Args:
-        train: The run's training set (``DataBundle.train`` built without packing): one example a row, in training
-            order, repeats included.
+        train: The run's training set (``DataBundle.train`` built without packing, or its preference rows: prompt and
+            answer ids, :mod:`qwenft.preference.pipeline`): one example a row, in training order, repeats included.
         count: How many to draw (``merge.calibration_rows``); all of them when the run has fewer.
         seed: ``merge.calibration_seed``.
 
     Returns:
         ``(rows, distinct)``: the drawn rows and how many distinct examples the run has.
     """
+    names = getattr(train, "column_names", None) or list(train)  # a Dataset, or a dict of columns
+    if "input_ids" in names:
+        sequences = train["input_ids"]
+    else:
+        answers = train["chosen_ids"] if "chosen_ids" in names else train["completion_ids"]
+        sequences = [list(prompt) + list(answer) for prompt, answer in zip(train["prompt_ids"], answers)]
     seen, distinct = set(), []
-    for ids in train["input_ids"]:
+    for ids in sequences:
         key = tuple(ids)
         if key not in seen:
             seen.add(key)

@@ -61,7 +61,8 @@ ADAPTER_META = "qwenft.json"
 def save_adapter_meta(adapter_dir, config: Config, data_stats: Optional[dict] = None) -> None:
     """Write ``qwenft.json`` beside a saved adapter: what it was trained on, for ``qwenft merge`` and ``eval``.
 
-    Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA and train configs, the run
+    Holds the model config (``dataclasses.asdict(config.model)``), the quant, LoRA, train and pref configs and the
+    ``init_adapter`` the run started from, the run
     name, the data (``data``: the data config that decides the held-out rows, a local file's path made absolute;
     ``data_sources``: name and path) and the system prompt trained with (``system_prompt``, with its
     ``system_prompt_share`` of the training examples and ``system_prompt_from``: ``rows`` when most rows carried
@@ -95,6 +96,8 @@ def save_adapter_meta(adapter_dir, config: Config, data_stats: Optional[dict] = 
         "quant": quant,
         "lora": dataclasses.asdict(config.lora),
         "train": dataclasses.asdict(config.train),
+        "pref": dataclasses.asdict(config.pref),
+        "init_adapter": config.init_adapter,
         "data_sources": [{"name": s.name, "path": s.path} for s in config.data.sources],
         "data": _data_record(config, stats.get("sources") or {}),
         "system_prompt": system["text"],
@@ -268,6 +271,8 @@ def eval_data(config: Config, meta: dict, source: Path, keys: Optional[Set[str]]
     :data:`HELD_OUT_KEYS`, so the held-out rows are the run's own), unless ``data.sources...``, ``data=`` or a
     ``+recipe=`` was typed (``keys`` None, a library call: counts as typed); then ``config``'s data is evaluated,
     with a warning when it is not what the adapter was trained on. A typed ``data.KEY`` of the held-out keys wins.
+    With the run's data comes its ``train.objective`` (unless typed): SimPO's and ORPO's held-out pairs are ranked
+    per answer token (:mod:`qwenft.evaluate.preference`).
 
     Raises:
         QwenftError: a recorded source file that no longer exists, or invalid recorded values.
@@ -295,6 +300,9 @@ def eval_data(config: Config, meta: dict, source: Path, keys: Optional[Set[str]]
         raise QwenftError(f"{source}: 'data' is not a valid data config ({exc})") from None
     log.info("eval data from the adapter's %s (what it was trained on): %s", ADAPTER_META,
              ", ".join(f"{s.name} ({s.path}, {s.eval_rows} rows held out)" for s in sources))
+    objective = (meta.get("train") or {}).get("objective")
+    if isinstance(objective, str) and "train.objective" not in keys:  # how the held-out pairs' margins are read
+        return dataclasses.replace(config, data=data, train=dataclasses.replace(config.train, objective=objective))
     return dataclasses.replace(config, data=data)
 
 

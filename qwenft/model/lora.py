@@ -28,8 +28,11 @@ def _peft_deprecations_quiet():
 
 
 def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, keep_dtype: bool = False,
-                kernels: str = "none"):
-    """Wrap ``model`` with fresh LoRA adapters for training (a ``peft.PeftModel``).
+                kernels: str = "none", init_adapter: Optional[str] = None, reference: bool = False):
+    """Wrap ``model`` with fresh LoRA adapters for training (a ``peft.PeftModel``), or with the saved adapter
+    ``init_adapter`` made trainable (a second stage: DPO after SFT); ``reference`` also loads that adapter a
+    second time, frozen, as ``reference`` (the preference objectives' reference model,
+    :func:`qwenft.train.preference.reference_adapter`).
 
     The base's layers are first patched with the chosen kernels (``kernels``: ``train.kernels``, resolved for the
     model's device by :func:`qwenft.kernels.resolve_kernels`, applied by :func:`qwenft.kernels.apply_kernels`).
@@ -60,6 +63,19 @@ def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, ke
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
             model.enable_input_require_grads()
     model.config.use_cache = False
+    if init_adapter:
+        from peft import PeftModel
+
+        path = str(check_adapter_dir(init_adapter))
+        with _peft_deprecations_quiet():
+            peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
+            if reference:
+                peft_model.load_adapter(path, adapter_name="reference", is_trainable=False)
+                peft_model.set_adapter("default")  # the trained copy active; the reference frozen
+        trainable, total = count_parameters(peft_model)
+        log.info("LoRA from %s%s: %s trainable of %s parameters", path, " (and its frozen copy as the reference)"
+                 if reference else "", f"{trainable:,}", f"{total:,}")
+        return peft_model
     peft_config = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
                                  target_modules=list(lcfg.target_modules), bias=lcfg.bias,
                                  use_rslora=lcfg.use_rslora, use_dora=lcfg.use_dora, task_type="CAUSAL_LM")

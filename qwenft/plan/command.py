@@ -17,7 +17,8 @@ from qwenft.files import atomic_write_text
 from qwenft.logfilter import result_console
 from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
 from qwenft.plan.evaluation import evaluation_memory
-from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_memory, training_weight_bytes, weight_bytes
+from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_weight_bytes, weight_bytes
+from qwenft.plan.preference import SEQUENCES_PER_PAIR, step_memory
 
 GIB = 1 << 30
 SEQ_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -30,9 +31,10 @@ def write_json(path: str, obj: Any) -> Path:
 
 
 def _largest_batch(arch: Architecture, setup: TrainSetup, seq: int, budget: int) -> int:
-    """The largest batch size whose steady-state peak fits ``budget`` bytes at ``seq`` tokens (0: none)."""
+    """The largest batch size (pairs for a preference objective) whose steady-state peak fits ``budget`` bytes at
+    ``seq`` tokens (0: none)."""
     def fits(batch: int) -> bool:
-        return training_memory(arch, setup, batch, seq)["peak"] <= budget
+        return step_memory(arch, setup, batch, seq)["peak"] <= budget
 
     if not fits(1):
         return 0
@@ -51,7 +53,7 @@ def _largest_seq(arch: Architecture, setup: TrainSetup, batch: int, budget: int)
     low, high = 0, arch.max_position_embeddings + 1
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if training_memory(arch, setup, batch, mid)["peak"] <= budget else (low, mid)
+        low, high = (mid, high) if step_memory(arch, setup, batch, mid)["peak"] <= budget else (low, mid)
     return low
 
 
@@ -81,6 +83,41 @@ def _scope(mode: str, processes: int) -> str:
                 "number of processes for the per-process numbers")
     return (f"per process after sharding over {processes} processes; {SHARDED_ROWS[mode]}; activations are per "
             "process (each has its own micro-batch); collective buffers not counted")
+
+
+def _preference(config: Config, setup: TrainSetup, pairs: int) -> Dict[str, Any]:
+    """The preference step's layout in the plan's ``training`` (none for SFT): sequences, padding-free, whether the
+    reference forward is counted and why (:mod:`qwenft.plan.preference`)."""
+    if setup.objective == "sft":
+        return {}
+    objective = setup.objective
+    if setup.reference:
+        why = "counted: a no-grad forward of the same sequences, adapter off, before the policy's backward"
+    elif config.pref.precompute_ref:
+        why = "not counted: pref.precompute_ref computes the reference log-probs once before training"
+    else:
+        why = f"not counted: {objective} is reference-free"
+    return {"sequences_per_pair": SEQUENCES_PER_PAIR, "sequences": SEQUENCES_PER_PAIR * pairs,
+            "padding_free": setup.padding_free, "reference_forward": setup.reference, "reference_note": why}
+
+
+def _preference_warnings(config: Config, arch: Architecture, setup: TrainSetup, pairs: int, seq: int) -> list:
+    """Warnings about a preference step: KTO with ``pref.precompute_ref`` (the run refuses it), and a padding-free
+    layout whose packed-sequence mask (``[tokens, tokens]`` per layer under SDPA) costs more than padding."""
+    if setup.objective == "sft":
+        return []
+    out = []
+    if config.pref.precompute_ref and setup.objective == "kto":
+        out.append("pref.precompute_ref=true with train.objective=kto: training refuses it (KTO's mismatched pairs are "
+                   "drawn per batch); planned with the reference forward in every step")
+    if setup.padding_free and setup.attn == "sdpa":
+        packed = step_memory(arch, setup, pairs, seq)["peak"]
+        padded = step_memory(arch, dataclasses.replace(setup, padding_free=False), pairs, seq)["peak"]
+        if packed > 1.1 * padded:
+            out.append(f"pref.padding_free: the packed row's attention mask ({SEQUENCES_PER_PAIR * pairs * seq:,} x "
+                       f"{SEQUENCES_PER_PAIR * pairs * seq:,}) is kept by SDPA in every layer: peak {_size(packed)} "
+                       f"against {_size(padded)} padded; set pref.padding_free=false (or use flash_attention_2)")
+    return out
 
 
 def make_plan(config: Config) -> Dict[str, Any]:
@@ -124,7 +161,7 @@ def make_plan(config: Config) -> Dict[str, Any]:
     runs = {}
     for name, ckpt in (("with_checkpointing", True), ("without_checkpointing", False)):
         variant = dataclasses.replace(setup, gradient_checkpointing=ckpt)
-        runs[name] = training_memory(arch, variant, batch, seq)
+        runs[name] = step_memory(arch, variant, batch, seq)
     chosen = runs["with_checkpointing" if setup.gradient_checkpointing else "without_checkpointing"]
     infer_bytes = setup.compute_bytes if nf4 else setup.model_bytes
     context = pcfg.context_len or seq
@@ -137,7 +174,7 @@ def make_plan(config: Config) -> Dict[str, Any]:
                   "architecture": {k: v for k, v in dataclasses.asdict(arch).items() if k != "source"},
                   "rope_scaling": rope.as_dict() or None,
                   "original_max_position_embeddings": original_positions(unscaled.max_position_embeddings, rope)},
-        "warnings": [warning] if warning else [],
+        "warnings": ([warning] if warning else []) + _preference_warnings(config, arch, setup, batch, seq),
         "parameters": counts,
         "weights": {
             "bf16": weight_bytes(arch, False, False, 2),
@@ -153,8 +190,9 @@ def make_plan(config: Config) -> Dict[str, Any]:
                      "optimizer": setup.optim, "kernels": setup.kernels, "attn_implementation": setup.attn,
                      "batch_size": batch,
                      "supervised_fraction": setup.supervised,
-                     "seq_len": seq, "tokens": batch * seq,
-                     "gradient_checkpointing": setup.gradient_checkpointing, **runs},
+                     "seq_len": seq, "tokens": batch * seq * (1 if setup.objective == "sft" else SEQUENCES_PER_PAIR),
+                     "gradient_checkpointing": setup.gradient_checkpointing, "objective": setup.objective,
+                     **_preference(config, setup, batch), **runs},
         "evaluation": evaluation_memory(arch, config, setup.device, setup.compute_bytes, setup.model_bytes, budget),
         "kv_cache": {"bytes_per_token": kv_cache_bytes(arch, 1, infer_bytes), "dtype_bytes": infer_bytes,
                      "context_len": context, "bytes": kv_cache_bytes(arch, context, infer_bytes)},
@@ -208,8 +246,12 @@ def render(plan: Dict[str, Any], console=None) -> None:
     lora, t = plan["lora"], plan["training"]
     console.print(f"LoRA r={lora['r']} on {', '.join(lora['target_modules'])}: {lora['trainable']:,} trainable "
                   f"parameters ({lora['percent_of_base']:.3f}% of the base)")
-    table = Table(title=f"Training step on {t['device']} ({t['scope'].split(';')[0].split(':')[0]}): batch "
-                        f"{t['batch_size']} x {t['seq_len']} tokens, "
+    pref = t.get("objective", "sft") != "sft"
+    shape = (f"objective {t['objective']}, batch {t['batch_size']} pairs x {t['sequences_per_pair']} sequences per "
+             f"pair ({t['sequences']} sequences) x {t['seq_len']} tokens"
+             f"{', padding-free' if t['padding_free'] else ', padded'}" if pref else
+             f"batch {t['batch_size']} x {t['seq_len']} tokens")
+    table = Table(title=f"Training step on {t['device']} ({t['scope'].split(';')[0].split(':')[0]}): {shape}, "
                         f"quant={t['quant']}, autocast={'bf16' if t['autocast'] else 'off'}, {t['optimizer']}, "
                         f"kernels={t['kernels']}")
     table.add_column("", overflow="fold")
@@ -224,11 +266,16 @@ def render(plan: Dict[str, Any], console=None) -> None:
         labels.append(("gradient buckets (DeepSpeed)", "reduce_buffers"))
     labels += [("activations held at the loss", "held_at_loss"),
                ("loss (chunked, no logits tensor)", "loss"), ("layer backward phase", "layer_phase"), ("peak", "peak")]
+    if pref:
+        labels.insert(-3, ("reference forward (no-grad transient)", "reference"))
     for label, key in labels:
         table.add_row(label, *(_size(t[name][key]) for name in ("with_checkpointing", "without_checkpointing")))
     console.print(table)
     if t.get("sharding", "none") != "none":
         console.print(f"[yellow]{t['sharding']}:[/yellow] {t['scope']}")
+    if pref:
+        console.print(f"Preference step ({t['objective']}): 2 sequences per pair; the reference forward is "
+                      f"{t['reference_note']}")
     ev = plan["evaluation"]
     console.print(f"Evaluation peak on {ev['device']}: {_size(ev['peak'])} = weights {_size(ev['weights'])}"
                   f"{' (NF4 dequantized)' if ev['dequantized'] else ''} + LoRA {_size(ev['lora_weights'])}"
@@ -241,8 +288,9 @@ def render(plan: Dict[str, Any], console=None) -> None:
                   f"{_size(inf['weights'])} + KV {_size(inf['kv_cache'])} = {_size(inf['total'])}")
     verdict = "[green]fits[/green]" if b["fits"] else "[red]does not fit[/red]"
     console.print(f"Budget {b['gpu_gb']} GiB - reserve {b['reserve_gb']} GiB: peak {_size(b['peak'])} {verdict}; "
-                  f"longest sequence at batch {t['batch_size']}: {b['longest_seq_at_batch']:,} tokens")
-    table = Table(title="Largest batch that fits")
+                  f"longest sequence at batch {t['batch_size']}{' pairs' if pref else ''}: "
+                  f"{b['longest_seq_at_batch']:,} tokens")
+    table = Table(title="Largest batch that fits" + (" (pairs)" if pref else ""))
     table.add_column("seq len", justify="right", overflow="fold")
     table.add_column("batch", justify="right", overflow="fold")
     for row in b["largest_batch"]:

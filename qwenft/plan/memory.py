@@ -53,7 +53,9 @@ class TrainSetup:
     resolved (``auto`` is ``liger`` when planning for CUDA and liger-kernel is installed here, else ``none``).
     ``sharding``: what FSDP / ZeRO shard (:func:`qwenft.plan.sharding.sharding_mode`) over ``processes``
     (``plan.processes``); ``reduce_buffers`` x ``reduce_buffer_elements``: ZeRO-1/2's gradient staging buffers
-    (:func:`qwenft.plan.sharding.zero_reduce_buffers`).
+    (:func:`qwenft.plan.sharding.zero_reduce_buffers`). ``objective``: ``train.objective``; for a preference one
+    (:mod:`qwenft.plan.preference`) ``reference``: whether a step runs the reference forward (the objective has a
+    reference and ``pref.precompute_ref`` is off), ``padding_free``: ``pref.padding_free`` resolved.
     """
 
     device: str
@@ -73,6 +75,9 @@ class TrainSetup:
     processes: int = 1
     reduce_buffers: int = 0
     reduce_buffer_elements: int = 0
+    objective: str = "sft"
+    reference: bool = False
+    padding_free: bool = False
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
@@ -103,13 +108,18 @@ class TrainSetup:
         dcfg = config.dist
         mode = sharding_mode(dcfg.strategy, dcfg.fsdp, dcfg.deepspeed)
         buffers = zero_reduce_buffers(mode, dcfg.deepspeed) if config.plan.processes > 1 else {"count": 0, "elements": 0}
+        from qwenft.config.train import padding_free, uses_reference_forward
+
+        objective = config.train.objective  # as qwenft.train.preference runs it (make_preference_trainer)
+        reference = uses_reference_forward(objective, config.pref.precompute_ref)
         return cls(device=device, nf4=nf4, double_quant=config.quant.double_quant,
                    model_bytes=DTYPE_BYTES[model_dtype], compute_bytes=DTYPE_BYTES[compute],
                    amp=precision in ("bf16", "fp16"), attn=config.model.attn_implementation, lora=config.lora,
                    gradient_checkpointing=config.train.gradient_checkpointing, optim=optim,
                    grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels,
                    sharding=mode, processes=config.plan.processes, reduce_buffers=buffers["count"],
-                   reduce_buffer_elements=buffers["elements"])
+                   reduce_buffer_elements=buffers["elements"], objective=objective, reference=reference,
+                   padding_free=padding_free(objective, config.pref.padding_free, config.model.attn_implementation))
 
 
 def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKSIZE) -> int:
@@ -205,7 +215,8 @@ def optimizer_bytes(arch: Architecture, setup: TrainSetup) -> Dict[str, int]:
     return {"states": states, "step": step}
 
 
-def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int) -> Dict[str, int]:
+def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
+                     masked: Optional[bool] = None) -> Dict[str, int]:
     """Bytes autograd saves in one forward of ``batch x seq`` tokens, by term (no gradient checkpointing).
 
     Per token and layer (``H`` hidden, ``I`` intermediate, ``q``/``kv`` projection widths, ``r`` the LoRA rank):
@@ -224,7 +235,8 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
     (bf16 under autocast); while it runs it also holds the gathered hidden states and their ``c`` copy, a ``c``
     copy of an fp32 lm_head, and one chunk's logits: ``chunk * V * (4 + c)`` bytes (fp32 logits, softmax in place,
     plus the 16-bit product or gradient when ``c`` is 2; ``chunk`` from :func:`qwenft.kernels.chunk_tokens`), or
-    with Liger ``chunk * V * c`` (``qwenft.kernels.liger_chunk_tokens``).
+    with Liger ``chunk * V * c`` (``qwenft.kernels.liger_chunk_tokens``). ``masked``: whether a mask reaches
+    attention (default ``batch > 1``: right padding; a padding-free row of packed sequences has one too).
 
     Returns:
         ``per_token_layer`` (bytes per token per layer), ``layers`` (all layers, batch x seq),
@@ -256,7 +268,7 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
             return (0 if shared_elsewhere else 4 * width) + lora_in_b * r * len(chosen)
         return len(chosen) * (per + lora_in_b * r)
 
-    padded = batch > 1
+    padded = batch > 1 if masked is None else masked  # a mask reaches attention (padding, or packed sequences)
     if setup.attn == "eager":  # q, repeated k and v, fp32 probabilities (+ their 16-bit copy for the matmul)
         attention = attn_b * 3 * arch.q_dim + arch.num_attention_heads * seq * (4 + (attn_b if attn_b != 4 else 0))
     else:  # a padding mask turns GQA off (k/v repeated) and is converted to a float mask per call, then saved
@@ -310,7 +322,7 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
 
 
 def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
-                    steady: bool = True) -> Dict[str, int]:
+                    steady: bool = True, terms: Optional[Dict[str, int]] = None) -> Dict[str, int]:
     """Peak bytes of one LoRA training step of ``batch x seq`` tokens, with its parts.
 
     ``peak = static + max(loss phase, layer-backward phase, optimizer step)``, where static is the weights during
@@ -324,7 +336,8 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     Per process: under FSDP / ZeRO (``setup.sharding`` over ``setup.processes``) the static rows are one process's
     shards (:func:`qwenft.plan.sharding.shard`) and the loss and layer phases add the weights gathered at that
     moment (:func:`qwenft.plan.sharding.gathered`); activations are never divided (each process has its own
-    micro-batch of ``batch`` rows).
+    micro-batch of ``batch`` rows). ``terms``: :func:`activation_terms`' terms computed by the caller (a preference
+    step's, :func:`qwenft.plan.preference.preference_terms`).
 
     Returns:
         ``weights``, ``lora_weights``, ``gradients``, ``optimizer_states`` (this process's shards),
@@ -337,7 +350,7 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     from qwenft.plan.arch import lora_parameter_count
     from qwenft.plan.sharding import gathered, shard
 
-    terms = activation_terms(arch, setup, batch, seq)
+    terms = terms or activation_terms(arch, setup, batch, seq)
     L = arch.num_hidden_layers
     by_part = training_weight_bytes(arch, setup)
     n_lora = lora_parameter_count(arch, setup.lora)

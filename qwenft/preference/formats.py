@@ -34,23 +34,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple, Union
 
+from qwenft.config.data import PREFERENCE_FIELDS, UNPAIRED_FORMATS  # every field a format reads (columns may map)
 from qwenft.data.formats import (CHAT_ROLES, SHAREGPT_ROLES, DataError, check_conversation, describe, field_label,
                                  field_value, list_value, text_value)
 
-PREFERENCE_FIELDS = {  # every field a format reads, the ones ``columns`` may rename
-    "pairs_alpaca": ("instruction", "input", "chosen", "rejected", "system"),
-    "pairs_sharegpt": ("conversations", "from", "value", "chosen", "rejected", "system"),
-    "pairs_trl": ("prompt", "chosen", "rejected", "role", "content"),
-    "hh_rlhf": ("chosen", "rejected"),
-    "kto": ("messages", "role", "content", "label"),
-    "kto_trl": ("prompt", "completion", "label", "role", "content"),
-}
 REQUIRED = {"pairs_alpaca": ("instruction", "chosen", "rejected"),
             "pairs_sharegpt": ("conversations", "chosen", "rejected"), "pairs_trl": ("chosen", "rejected"),
             "hh_rlhf": ("chosen", "rejected"), "kto": ("messages", "label"),
             "kto_trl": ("prompt", "completion", "label")}
 TURN_KEYS = ("from", "value", "role", "content")  # the keys inside a turn, not fields of the row
-UNPAIRED_FORMATS = ("kto", "kto_trl")
 PREFERENCE_FORMATS = tuple(PREFERENCE_FIELDS) + ("auto",)
 HH_HUMAN, HH_ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")

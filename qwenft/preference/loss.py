@@ -47,9 +47,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from qwenft.config.train import REFERENCE_FREE  # the objectives without a reference model: one list, torch-free
+
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "kto")
 PAIRED = ("dpo", "ipo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
 _LN2 = 0.6931471805599453
 
 

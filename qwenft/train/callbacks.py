@@ -36,12 +36,17 @@ class ProgressBarCallback(TrainerCallback):
             postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0):.2e}"}
             if "tokens_per_s" in logs:
                 postfix["tok/s"] = f"{logs['tokens_per_s']:.0f}"
+            for key, short in (("rewards/accuracies", "acc"), ("rewards/margins", "margin")):  # preference runs
+                if key in logs:
+                    postfix[short] = f"{logs[key]:.3f}"
             if self.bar is not None:
                 self.bar.set_postfix(postfix)
             log.info("step %d: %s", state.global_step, " ".join(f"{k}={v}" for k, v in postfix.items()))
         if "eval_loss" in logs:
-            log.info("step %d: eval_loss=%.4f eval_perplexity=%.3f", state.global_step, logs["eval_loss"],
-                     logs["eval_perplexity"])
+            extra = {k: logs[k] for k in ("eval_perplexity", "eval_rewards/accuracies", "eval_rewards/margins")
+                     if k in logs}
+            log.info("step %d: eval_loss=%.4f%s", state.global_step, logs["eval_loss"],
+                     "".join(f" {k}={v:.3f}" for k, v in extra.items()))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import shutil
 import time
 from pathlib import Path
@@ -47,6 +46,8 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
     staging = staging_dir(out_dir, ".tmp-adapter-")
     try:
         extra = {"state_dict": state_dict} if state_dict is not None else {}
+        if len(getattr(model, "peft_config", {})) > 1:  # a preference run's frozen reference copy is not saved
+            extra["selected_adapters"] = ["default"]
         model.save_pretrained(str(staging), safe_serialization=True, **extra)
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
@@ -57,13 +58,20 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
     return final
 
 
+def _preference_key(key: str) -> bool:
+    """A preference objective's logged metric (TRL's names: ``rewards/*``, ``logps/*``, ``kl``, ``nll_loss``,
+    ``log_odds_*``)."""
+    return key.startswith(("rewards/", "logps/", "log_odds")) or key in ("kl", "nll_loss")
+
+
 def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict[str, Any]:
     """Loss curve and throughput from the Trainer's log history.
 
-    The loss curve's points: ``step``, ``loss`` (nats per supervised token: the mean over the steps since the
-    previous log, from ``from_step``; :class:`qwenft.train.callbacks.LogLastStep`) and ``lr``. ``final_loss`` is the
-    loss logged at the last step (``final_loss_step``, over steps ``final_loss_from_step`` to it): the trainer
-    logs the last step too, whatever ``train.logging_steps`` is.
+    The loss curve's points: ``step``, ``loss`` (nats per supervised token, or the preference objective's loss: the
+    mean over the steps since the previous log, from ``from_step``; :class:`qwenft.train.callbacks.LogLastStep`),
+    ``lr`` and a preference objective's metrics under TRL's names. ``final_loss`` is the loss logged at the last
+    step (``final_loss_step``, over steps ``final_loss_from_step`` to it): the trainer logs the last step too,
+    whatever ``train.logging_steps`` is.
 
     Args:
         seconds: wall time of ``trainer.train`` (s).
@@ -71,8 +79,11 @@ def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict
     """
     history = trainer.state.log_history
     losses = [{"step": h["step"], "loss": h["loss"], "lr": h.get("learning_rate"),
-               "from_step": h.get("loss_from_step")} for h in history if "loss" in h]
-    evals = [{"step": h["step"], "eval_loss": h["eval_loss"], "eval_perplexity": math.exp(min(h["eval_loss"], 50))}
+               "from_step": h.get("loss_from_step"), **{k: v for k, v in h.items() if _preference_key(k)}}
+              for h in history if "loss" in h]
+    evals = [{"step": h["step"], "eval_loss": h["eval_loss"],
+              **({"eval_perplexity": h["eval_perplexity"]} if "eval_perplexity" in h else {}),
+              **{k: v for k, v in h.items() if _preference_key(k[len("eval_"):])}}
              for h in history if "eval_loss" in h]
     tokens = trainer.tokens_seen if tokens is None else tokens
     return {"global_step": trainer.state.global_step, "epochs": trainer.state.epoch, "loss_curve": losses,
@@ -81,6 +92,38 @@ def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict
             "final_loss_from_step": losses[-1]["from_step"] if losses else None,
             "train_tokens": tokens, "train_seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None}
+
+
+def with_init_adapter(config: Config) -> Config:
+    """``config`` with the LoRA settings of ``init_adapter`` (its ``adapter_config.json``: r, lora_alpha, dropout,
+    target modules, rsLoRA, DoRA), which the run continues; a setting the user gave differently is named in a
+    warning. Without ``init_adapter``, ``config`` as it is.
+
+    Raises:
+        QwenftError: ``init_adapter`` holds no adapter (:func:`qwenft.model.adapter.check_adapter_dir`).
+    """
+    import dataclasses
+
+    from qwenft.config import ALL_TARGETS
+    from qwenft.model.adapter import check_adapter_dir, recorded_lora
+
+    if not config.init_adapter:
+        return config
+    path = check_adapter_dir(config.init_adapter)
+    saved = recorded_lora(path)
+    lora = config.lora
+    values = {"r": saved.get("r", lora.r), "lora_alpha": saved.get("lora_alpha", lora.lora_alpha),
+              "lora_dropout": saved.get("lora_dropout", lora.lora_dropout),
+              "target_modules": [m for m in ALL_TARGETS
+                                 if m in set(saved.get("target_modules") or lora.target_modules)],
+              "use_rslora": bool(saved.get("use_rslora", lora.use_rslora)),
+              "use_dora": bool(saved.get("use_dora", lora.use_dora))}
+    differ = [f"{k}: {getattr(lora, k)} -> {v}" for k, v in values.items()
+              if (set(getattr(lora, k)) != set(v) if k == "target_modules" else getattr(lora, k) != v)]
+    if differ:
+        log.warning("init_adapter=%s: the run continues that adapter, so its LoRA settings hold (%s)",
+                    config.init_adapter, "; ".join(differ))
+    return dataclasses.replace(config, init_adapter=str(path), lora=dataclasses.replace(lora, **values))
 
 
 def run(config: Config) -> Path:
@@ -103,13 +146,14 @@ def run(config: Config) -> Path:
     """
     from transformers import set_seed
 
-    from qwenft import data as data_lib
     import qwenft.train.dist as dist
+    from qwenft.preference.pipeline import build_run_data
     from qwenft.data.checks import check_batch_feed
     from qwenft.kernels import resolve_kernels
     from qwenft.model import attach_lora, load_model, load_tokenizer, resolve_model_dir
     from qwenft.runtime import default_device
     from qwenft.memory import peak_memory, return_freed_memory_promptly
+    from qwenft.preference.loss import needs_reference
 
     dist.check_strategy(config, default_device().startswith("cuda"))  # the CLI checked already; library callers
     dist.init_process_group(config.dist)
@@ -123,6 +167,7 @@ def run(config: Config) -> Path:
     # Everything that can refuse the run (resume settings, evaluation settings, the model source, the data) is
     # checked before the run directory is written: a refused run leaves nothing behind and never overwrites a
     # resumable run's config.yaml.
+    config = with_init_adapter(config)
     resume_from = check_run_dir(config)
     log.info("distributed: %s", dist.describe(config))
     recorded = config_yaml(config)
@@ -134,7 +179,7 @@ def run(config: Config) -> Path:
     model_dir = resolve_model_dir(config.model)
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
-        bundle = data_lib.build(config, tokenizer)
+        bundle = build_run_data(config, tokenizer)
     check_batch_feed(len(bundle.train), config.train.batch_size)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,13 +191,21 @@ def run(config: Config) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
 
+    preference = config.train.objective != "sft"
     with peak_memory(default_device()) as train_memory:  # the train phase: load, attach, train (metrics.json "memory")
         model, tokenizer = load_model(config, tokenizer=tokenizer)
         set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
         model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
-                            keep_dtype=config.dist.quant_storage != "uint8", kernels=config.train.kernels)
+                            keep_dtype=config.dist.quant_storage != "uint8", kernels=config.train.kernels,
+                            init_adapter=config.init_adapter, reference=bool(config.init_adapter) and preference
+                            and needs_reference(config.train.objective))
         kernels = resolve_kernels(config.train.kernels, next(model.parameters()).device.type == "cuda")  # as applied
-        trainer = make_trainer(config, model, tokenizer, bundle, checkpoint_dir, kernels)
+        if preference:
+            from qwenft.train.preference import make_preference_trainer
+
+            trainer = make_preference_trainer(config, model, tokenizer, bundle, checkpoint_dir, kernels)
+        else:
+            trainer = make_trainer(config, model, tokenizer, bundle, checkpoint_dir, kernels)
         log.info("training: %d examples, run directory %s", len(bundle.train), out_dir)
         start = time.perf_counter()
         trainer.train(resume_from_checkpoint=resume_from)
@@ -172,6 +225,9 @@ def run(config: Config) -> Path:
     # destroy() (when run() returned), the wrapper's teardown could wait on the destroyed group and the process
     # hung at exit (seen once in CI on 2 gloo ranks, rank 0 idle after its report was written).
     _release_training_state(trainer, model)
+    if "reference" in getattr(model, "peft_config", {}):  # evaluation compares the base with the trained adapter
+        model.delete_adapter("reference")
+        model.set_adapter("default")
     del trainer, state_dict
     gc.collect()
     if metrics is not None:

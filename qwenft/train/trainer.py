@@ -125,7 +125,8 @@ def _on_cuda(model) -> bool:
     return next(model.parameters()).device.type == "cuda"
 
 
-def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path, kernels: str):
+def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path, kernels: str, *, collator=None,
+                 trainer_class=None, trainer_kwargs: Optional[Dict[str, Any]] = None):
     """Build the Trainer (:class:`QwenftTrainer`) with qwenft's collator (as the bundle's packing says) and
     callbacks (atomic checkpoints, the loss logged at the last step too, the progress bar).
 
@@ -133,8 +134,10 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path,
         kernels: the layer kernels ``model`` was patched with (``train.kernels`` resolved by
             :func:`qwenft.kernels.resolve_kernels`, as :func:`qwenft.model.attach_lora` applied them): ``liger``
             computes the loss with Liger's fused linear cross-entropy, ``none`` with qwenft's chunked loss.
+        collator: the batches' collator (default: the SFT one the bundle's packing calls for).
+        trainer_class: a :class:`QwenftTrainer` subclass (preference training's), built with ``trainer_kwargs``.
     """
-    from qwenft.data import collator
+    from qwenft.data import collator as sft_collator
     from qwenft.train.callbacks import AtomicCheckpoints, LogLastStep, ProgressBarCallback
     from qwenft.train.trainer import QwenftTrainer
 
@@ -145,8 +148,9 @@ def make_trainer(config: Config, model, tokenizer, bundle, checkpoint_dir: Path,
     args = training_arguments(config, model, checkpoint_dir, has_eval)
     if args.bf16 or args.fp16:
         head_to_autocast_dtype(model, torch_dtype_of(args))
-    trainer = QwenftTrainer(model=model, args=args, train_dataset=bundle.train,
-                            eval_dataset=bundle.eval if has_eval else None, data_collator=collator(bundle, tokenizer))
+    trainer = (trainer_class or QwenftTrainer)(
+        model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval if has_eval else None,
+        data_collator=collator if collator is not None else sft_collator(bundle, tokenizer), **(trainer_kwargs or {}))
     trainer.add_callback(checkpoints)
     trainer.add_callback(LogLastStep())  # after transformers' DefaultFlowCallback: the last step is logged too
     trainer.add_callback(ProgressBarCallback())
@@ -172,6 +176,7 @@ class QwenftTrainer(Trainer):
         self._last_log = (time.perf_counter(), 0)
         self.checkpoint_dir = self.args.output_dir  # where complete checkpoints are (make_trainer: <run>/checkpoints)
         self.kernels = "none"  # resolved train.kernels (qwenft.kernels), set by make_trainer
+        self.eval_loss_is_nll = True  # the eval loss is a mean token NLL (its exp a perplexity): SFT's, not DPO's
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's Accelerator, with FSDP on CPU processes too (``dist=fsdp`` under gloo).
@@ -251,6 +256,6 @@ class QwenftTrainer(Trainer):
             if now > then:
                 logs["tokens_per_s"] = round((self.tokens_seen - tokens) / (now - then), 2)
             self._last_log = (now, self.tokens_seen)
-        if "eval_loss" in logs:
+        if "eval_loss" in logs and self.eval_loss_is_nll:
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
         super().log(logs, start_time)
