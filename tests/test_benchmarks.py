@@ -191,7 +191,7 @@ def test_dpo_step_quick_mode_trains_both_arms_on_the_same_tokens(tmp_path):
     assert settings["model"] == "tiny-random" and settings["objective"] == "dpo" and settings["beta"] == 0.1
     assert settings["order"] == ["qwenft", "trl"] and settings["pairs_per_step"] == 2
     assert settings["data_stats"]["truncated"] == 0 and settings["train_pairs"] == 80  # nothing cut, none held out
-    assert settings["qwenft"]["padding_free"] is True and settings["trl"]["projects_every_position"] is True
+    assert settings["trl"]["projects_every_position"] is True  # TRL's log-prob head off Triton devices
     assert result["same_tokens"] is True and result["same_rows"] is True
     assert result["first_step_loss_is_ln2"] is True
     # Same LoRA init, pairs and loss: the first gradients agree to float rounding (5e-8 relative measured, fp32)
@@ -205,9 +205,12 @@ def test_dpo_step_quick_mode_trains_both_arms_on_the_same_tokens(tmp_path):
         [run] = result["runs"][arm]
         assert len(run["seconds_per_step"]) == len(run["batches"]) == len(run["step_peak_bytes"]) == 3
     q, t = result["runs"]["qwenft"][0]["batches"], result["runs"]["trl"][0]["batches"]
-    # qwenft packs the 2B sequences in one row; TRL pads them to the longest: more positions, the same tokens
-    assert all(a["positions"] == a["tokens"] <= b["positions"] for a, b in zip(q, t))
-    assert [a["answer_tokens"] for a in q] == [b["answer_tokens"] for b in t]
+    # the same tokens and answers in every step; TRL pads the 2B sequences to the longest, qwenft as
+    # pref.padding_free resolves (padding-free: one row, no padding)
+    assert [(a["tokens"], a["answer_tokens"]) for a in q] == [(b["tokens"], b["answer_tokens"]) for b in t]
+    assert all(a["tokens"] <= a["positions"] <= b["positions"] for a, b in zip(q, t))
+    if settings["qwenft"]["padding_free"]:
+        assert all(a["positions"] == a["tokens"] for a in q)
     assert result["ratio_qwenft_over_trl"] == pytest.approx(statistics.median(result["paired_ratios"]))
     assert _positive(result["memory_ratio_qwenft_over_trl"]) and result["targets"] == {"time": 1.0, "memory": 0.8}
 

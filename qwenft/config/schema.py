@@ -77,6 +77,7 @@ class Config:
         if self.command == "train" and self.data.sources:  # eval may use evaluation-only (weight 0) sources
             _check(sum(s.weight for s in self.data.sources) > 0, "data.sources.weight",
                    [s.weight for s in self.data.sources], "at least one weight must be > 0 to train")
+        if self.command in ("train", "data") and self.data.sources:  # `data` previews what `train` would train on
             self.check_objective()
 
     def check_objective(self) -> None:
@@ -92,6 +93,11 @@ class Config:
             _check(self.dist.strategy in ("none", "ddp"), "dist", self.dist.strategy,
                    f"train.objective={objective} runs on one process or DDP (dist=none, dist=ddp); sharded "
                    "preference training (FSDP, DeepSpeed) is not supported yet")
+            _check(objective not in ("orpo", "kto") or self.pref.rpo_alpha == 0, "pref.rpo_alpha", self.pref.rpo_alpha,
+                   f"must be 0 with train.objective={objective}: "
+                   + ("ORPO carries its own NLL term (weight 1)" if objective == "orpo" else
+                      "KTO's answers are unpaired, with no chosen answer to add an NLL term for")
+                   + "; set pref.rpo_alpha=0 (the dpo recipe sets 1.0)")
             _check(objective != "kto" or self.train.batch_size >= 2, "train.batch_size", self.train.batch_size,
                    "must be >= 2 for train.objective=kto: its KL estimate pairs each prompt with another example's "
                    "answer in the same batch")

@@ -77,8 +77,8 @@ def eval_indices(rows: Sequence[dict], n_eval: int, seed: int, name: str, by: Op
         groups: Dict[object, List[int]] = {}
         for i, row in enumerate(rows):  # iterated, not indexed: a lazy sequence reads its rows in batches
             if by not in row["meta"]:
-                raise DataError(f"missing (needed by eval_by={by}); the row has fields: "
-                                f"{', '.join(row['meta']) or '(none besides the mapped ones)'}",
+                raise DataError(f"missing (needed by eval_by={by}; eval_by=null holds rows out at random); the row's "
+                                f"other fields: {', '.join(row['meta']) or '(none besides those the format reads)'}",
                                 file=file or name, row=row["row"], field=by, unit=unit)
             groups.setdefault(group_key(row["meta"][by]), []).append(i)
         order = list(groups.values())

@@ -219,6 +219,10 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
     if tuned:
         adapter_dir = Path(config.adapter).expanduser() if config.adapter else Path(config.out_dir) / "adapter"
         lines += [f"- adapter: `{config.adapter or adapter_dir}`", adapter_line(config, adapter_dir)]
+        started = (_json_file(adapter_dir / "qwenft.json") or {}).get("init_adapter")
+        if started:  # a second stage: its base side is the base model, not the adapter it started from
+            lines.append(f"- trained on from `{started}` (init_adapter); \"base\" below is the base model without "
+                         "any adapter: `qwenft eval adapter=` that adapter for its own numbers")
         from qwenft.model.adapter import data_mismatch
 
         trained = data_mismatch(config, _json_file(adapter_dir / "qwenft.json"))

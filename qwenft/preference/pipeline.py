@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from qwenft.config import Config, ConfigError, DataSource
-from qwenft.config.data import PREFERENCE_AUTO, is_preference
+from qwenft.config.data import PREFERENCE_AUTO, UNPAIRED_FORMATS, is_preference
 from qwenft.data.checks import eval_rows_for, eval_share_warning, skipped_lines
 from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, eval_indices, mix_counts
@@ -222,6 +222,10 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
         loaded = load_pairs(src, config, tokenizer, fingerprint)
         hits, misses = hits + loaded.hit, misses + (not loaded.hit)
         read, n = loaded.read, len(loaded.read.examples)
+        if not unpaired and read.format in UNPAIRED_FORMATS:  # detected (format: preference): refused as configured
+            raise ConfigError(f"data.sources[{src.name}].format: {read.file} holds unpaired labelled answers (detected "
+                              f"{read.format}); train.objective={config.train.objective} needs pairs (chosen and "
+                              "rejected); use train.objective=kto")
         for line in skipped_lines(src.name, read.skipped, n + read.n_skipped, read.n_skipped):
             log.warning("%s", line)
         if dcfg.on_bad_row == "error":
@@ -238,8 +242,9 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
         kept = [i for i in range(n) if i not in held_set]
         counts = {"path": src.path, "format": read.format, "rows_read": n + read.n_skipped,
                   "skipped": read.n_skipped, "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
-        if held:
-            eval_rows[src.name] = [_eval_row(read.examples[i], loaded.encoded[i]) for i in held]
+        if held:  # an undesirable answer (KTO, label false) is no reference for the answers generated
+            rows_out = [_eval_row(read.examples[i], loaded.encoded[i]) for i in held]
+            eval_rows[src.name] = [row for row in rows_out if row.get("label", True)]
             held_items[src.name] = _usable(loaded, held, dcfg.on_bad_row, counts, f"{src.name} (held out)")
         if src.weight > 0:
             usable[src.name] = _usable(loaded, kept, dcfg.on_bad_row, counts, src.name)
@@ -300,9 +305,10 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
         stats["cache_hits"] += other.stats["cache_hits"]
         stats["cache_misses"] += other.stats["cache_misses"]
     stats["seconds"] = round(time.perf_counter() - start, 3)
-    log.info("data: %d training %s (%s), %d eval; tokens p50 %d p95 %d max %d; %d truncated, %d dropped; built in "
-             "%.1f s (cache: %d hit(s), %d miss(es))", total, "examples" if unpaired else "pairs",
-             ", ".join(f"{n} {c.get('used', 0)}" for n, c in per_source.items()), len(eval_ds),
+    log.info("data: %d training %s (%s), %d held out (%d usable for the eval loss); tokens p50 %d p95 %d max %d; %d "
+             "truncated, %d dropped; built in %.1f s (cache: %d hit(s), %d miss(es))", total,
+             "examples" if unpaired else "pairs", ", ".join(f"{n} {c.get('used', 0)}" for n, c in per_source.items()),
+             sum(c["eval"] for c in per_source.values()), len(eval_ds),
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
              stats["dropped"], stats["seconds"], hits, misses)
     return bundle

@@ -104,12 +104,15 @@ def with_init_adapter(config: Config) -> Config:
     """
     import dataclasses
 
-    from qwenft.config import ALL_TARGETS
+    from qwenft.config import ALL_TARGETS, QwenftError
     from qwenft.model.adapter import check_adapter_dir, recorded_lora
 
     if not config.init_adapter:
         return config
-    path = check_adapter_dir(config.init_adapter)
+    try:
+        path = check_adapter_dir(config.init_adapter)
+    except QwenftError as exc:  # it names adapter=: the key typed was init_adapter=
+        raise QwenftError(str(exc).replace("adapter=", "init_adapter=", 1)) from None
     saved = recorded_lora(path)
     lora = config.lora
     values = {"r": saved.get("r", lora.r), "lora_alpha": saved.get("lora_alpha", lora.lora_alpha),

@@ -205,7 +205,8 @@ def test_eval_by_names_the_line_and_eval_rows_equal_to_the_rows_is_clamped(tiny,
     path.write_text("".join(json.dumps({**r, "fact": i % 3}) + "\n" for i, r in enumerate(qa_rows(9)))
                     + json.dumps(qa_rows(1)[0]) + "\n")
     source = DataSource(name="d", path=str(path), eval_rows=3, eval_by="fact")
-    with pytest.raises(DataError, match=rf"^{path}: line 10: field 'fact': missing \(needed by eval_by=fact\)"):
+    with pytest.raises(DataError, match=rf"^{path}: line 10: field 'fact': missing \(needed by eval_by=fact; "
+                                        r"eval_by=null holds rows out at random\)"):
         build(Config(data=DataConfig(sources=[source], cache=False)), tiny)
     with caplog.at_level(logging.WARNING):  # equal counts: as a larger value, clamped with a warning
         bundle = build(Config(data=DataConfig(sources=[DataSource(name="d", path=str(path), eval_rows=10)],

@@ -152,3 +152,35 @@ def test_the_data_preview_shows_a_pair_with_its_masks(tmp_path, capsys):
     assert "first training pair: chosen" in out and "first training pair: rejected" in out
     assert "⟦Short answer:" in out  # the chosen answer supervised, the prompt not
     assert out.count("<|im_start|>user") == 2
+
+
+def test_what_a_new_user_met_is_refused_in_one_line(tmp_path, tokenizer, capsys):
+    """Found by a new user's try (issue 45): each refused before any weight loads, naming the key to change."""
+    from qwenft.config import ConfigError
+    from qwenft.preference.pipeline import build_preference
+
+    pairs = [{"name": "p", "path": str(write_jsonl(tmp_path / "p.jsonl", pair_rows(6))), "format": "preference",
+              "weight": 1.0}]
+    with pytest.raises(ConfigError, match=r"pref.rpo_alpha=1.0 is not accepted; must be 0 with train.objective=orpo: "
+                                          r"ORPO carries its own NLL term"):
+        config_for(tmp_path, pairs, "pref.rpo_alpha=1.0", objective="orpo")
+    with pytest.raises(ConfigError, match="must be 0 with train.objective=kto"):
+        config_for(tmp_path, pairs, "pref.rpo_alpha=0.5", "train.batch_size=2", objective="kto")
+    kto = write_jsonl(tmp_path / "k.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"},
+                                                           {"role": "assistant", "content": f"a{i}"}],
+                                              "label": i % 2 == 0} for i in range(8)])
+    detected = [{"name": "k", "path": str(kto), "format": "preference", "weight": 1.0, "eval_rows": 4}]
+    with pytest.raises(ConfigError, match=r"k\.jsonl holds unpaired labelled answers \(detected kto\); "
+                                          r"train.objective=dpo needs pairs"):
+        build_preference(config_for(tmp_path, detected), tokenizer)
+    bundle = build_preference(config_for(tmp_path, detected, "train.batch_size=2", objective="kto"), tokenizer)
+    held = bundle.eval_rows["k"]  # only the desirable answers are references for generated ones
+    assert held and all(row["label"] for row in held) and bundle.stats["sources"]["k"]["eval"] == 4
+    code = qwenft_in_process(capsys, "data", "model=tiny-random", "quant=none", "train.objective=sft",
+                             f"data.sources={hydra_value(pairs)}")
+    assert code.returncode == 2 and "is a preference format: train on it with train.objective=dpo" in code.stderr
+    code = qwenft_in_process(capsys, "train", "model=tiny-random", "quant=none", "train.objective=dpo",
+                             f"data.sources={hydra_value(pairs)}", f"out_dir={tmp_path / 'run'}",
+                             f"init_adapter={tmp_path / 'missing'}")
+    assert code.returncode == 2 and f"init_adapter={tmp_path / 'missing'}: " in code.stderr
+    assert not (tmp_path / "run").exists()
