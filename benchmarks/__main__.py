@@ -22,6 +22,9 @@ dpo_step            qwenft / TRL DPOTrainer seconds per step; peak RSS          
 
 bench_eval (4 MMLU subjects x 6 questions, float32 then bfloat16) was added after the timings above and is not
 in them: alone it took 9.6 minutes at load average 5-7 (2026-12-01); not yet timed on idle cores.
+dpo_step (2 rounds: 4 processes of 3 DPO steps on the 0.5B) was added later too: standalone, 3 rounds took 5.9
+minutes with one torch thread a process at load average 1.4-2.6 and 11.9 minutes with torch's two at load 1-4
+(2026-12-07), so about 4-8 minutes in the suite; not yet timed inside it.
 
     python -m benchmarks                  # the suite (benchmarks/results/*.json + suite.json), < 20 min
     python -m benchmarks --quick          # every script in its --quick mode (tiny models), results/quick/

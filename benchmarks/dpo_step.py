@@ -132,8 +132,8 @@ class StepTimer:
         self.start = 0.0
 
     def wrap(self, trainer) -> None:
-        """Record every batch the trainer's collator builds (qwenft's: padding-free, ``labels``; TRL's: padded, with
-        ``attention_mask`` and ``completion_mask``)."""
+        """Record every batch the trainer's collator builds (qwenft's: ``labels``, padded with an ``attention_mask``
+        or padding-free without one; TRL's: padded, ``attention_mask`` and ``completion_mask``)."""
         collate = trainer.data_collator
 
         def counting(features):
@@ -151,9 +151,9 @@ class StepTimer:
 def _overrides(opts, seed: int, out_dir: Path) -> List[str]:
     model = ["model=tiny-random", "quant=none"] if opts.quick else []
     return ["+recipe=dpo", *model, f"data.sources.0.path={PAIRS}", "data.sources.0.eval_rows=0",
-            f"out_dir={out_dir}", f"train.seed={seed}", f"train.max_steps={opts.steps}", f"train.batch_size={opts.batch}",
-            f"data.max_seq_len={opts.seq}", *PINNED, "train.logging_steps=1", "train.save_steps=100000",
-            "eval.after_train=false"]
+            f"out_dir={out_dir}", f"train.seed={seed}", f"train.max_steps={opts.steps}",
+            f"train.batch_size={opts.batch}", f"data.max_seq_len={opts.seq}", *PINNED, "train.logging_steps=1",
+            "train.save_steps=100000", "eval.after_train=false"]
 
 
 def build_qwenft(config, tokenizer, bundle, device: str, tmp: Path):
@@ -269,8 +269,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     first = {k: logs[0][k] for k in ("logps/chosen", "logps/rejected", "rewards/margins") if logs and k in logs[0]}
     result = {"arm": spec["arm"], "seed": config.train.seed, "threads": torch.get_num_threads(),
-              "seconds_per_step": timer.steps,
-              "step_peak_bytes": timer.step_peaks,
+              "seconds_per_step": timer.steps, "step_peak_bytes": timer.step_peaks,
               "batches": timer.batches[:len(timer.steps)], "losses": [h["loss"] for h in logs],
               "grad_norms": [h.get("grad_norm") for h in logs],
               "first_step_metrics": first, "baseline_bytes": baseline, "load_memory": load_memory,
@@ -297,7 +296,7 @@ def run_arm(spec: Dict[str, Any], in_process: bool) -> Dict[str, Any]:
                           cwd=Path(__file__).resolve().parents[1])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{spec['arm']} (seed {spec['overrides']}) failed, exit {proc.returncode}:\n"
+        raise SystemExit(f"{spec['arm']} ({' '.join(spec['overrides'])}) failed, exit {proc.returncode}:\n"
                          f"{(proc.stdout + proc.stderr)[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -313,14 +312,16 @@ def summarise(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
         above = [peak - int(r["baseline_bytes"]) for peak, r in zip(train_peaks, rounds)]
         call_peaks = [int(r["train_memory"]["bytes"]) for r in rounds]
         load_peaks = [int(r["load_memory"]["bytes"]) for r in rounds]
+        quartiles = _quartiles(steps)
         out["arms"][arm] = {
-            "timed_steps": len(steps), "median_s_per_step": median, **{f"{k}_s_per_step": v for k, v in
-                                                                      _quartiles(steps).items()},
-            "min_s_per_step": min(steps), "max_s_per_step": max(steps), "tokens_per_s": sum(tokens) / sum(steps),
-            "peak_train_bytes": statistics.median(train_peaks), "peak_train_above_baseline_bytes":
-                statistics.median(above), "peak_train_call_bytes": statistics.median(call_peaks),
-            "peak_load_bytes": statistics.median(load_peaks), "baseline_bytes":
-                statistics.median(int(r["baseline_bytes"]) for r in rounds),
+            "timed_steps": len(steps), "median_s_per_step": median, "p25_s_per_step": quartiles["p25"],
+            "p75_s_per_step": quartiles["p75"], "min_s_per_step": min(steps), "max_s_per_step": max(steps),
+            "tokens_per_s": sum(tokens) / sum(steps),
+            "peak_train_bytes": statistics.median(train_peaks),
+            "peak_train_above_baseline_bytes": statistics.median(above),
+            "peak_train_call_bytes": statistics.median(call_peaks),  # the whole train(): the steps, then a save
+            "peak_load_bytes": statistics.median(load_peaks),
+            "baseline_bytes": statistics.median([int(r["baseline_bytes"]) for r in rounds]),
             "memory_kind": rounds[0]["train_memory"]["kind"],
             "first_step_losses": [r["losses"][0] for r in rounds],
             "first_step_grad_norms": [r["grad_norms"][0] for r in rounds],
@@ -370,8 +371,9 @@ def main() -> None:
                              "malloc setting holds for both and the memory figures are rough)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads in each arm (default: torch's, one per core). On a CPU shared with other "
-                             "work, 2 threads wait on each other at every small op (an AdamW step over the 336 LoRA "
-                             "tensors: 2.7 s with 2 threads, 0.02 s with 1, load average 3.5 on 2 cores)")
+                             "work, 2 threads wait on each other at every small op (the AdamW step over the 0.5B's "
+                             "336 LoRA tensors: 5.4-7.4 s with 2 threads, 0.04-0.09 s with 1, load average 3.4-4 on "
+                             "2 cores)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
@@ -426,7 +428,8 @@ def main() -> None:
     config_facts = runs["trl"][0]["facts"]
     name = "".join(["dpo_step", "_cuda" if device.startswith("cuda") else "",
                     f"_threads{opts.threads}" if opts.threads else "",
-                    "_malloc_both" if opts.malloc == "both" and not opts.in_process else "", "_quick" if opts.quick else ""])
+                    "_malloc_both" if opts.malloc == "both" and not opts.in_process else "",
+                    "_quick" if opts.quick else ""])
     save_json(name, {
         "environment": environment(),
         "settings": {"recipe": "dpo", **first["config"], "device": device, "pairs_per_step": opts.batch,
