@@ -259,7 +259,7 @@ def test_recipes_cp_copies_and_refuses_to_overwrite(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["cp", "nope", "."], "recipes cp: unknown recipe 'nope'; available recipes: domain, general"),
+    (["cp", "nope", "."], "recipes cp: unknown recipe 'nope'; available recipes: domain, dpo, dpo_7b, general"),
     (["cp", "quickstart"], "recipes: the following arguments are required: dest"),
     (["ls"], "recipes: argument action: invalid choice: 'ls'"),
 ])

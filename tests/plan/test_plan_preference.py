@@ -77,7 +77,9 @@ def test_padding_free_step_is_one_row_with_a_packed_mask():
     """Padding-free: one row of 2B x seq tokens, with transformers' packed-sequence mask: SDPA saves its float copy
     ([tokens, tokens]) in every layer, so the attention term is quadratic in all the batch's tokens."""
     arch = arch_of(QWEN7B)
-    packed = setup_of("model=qwen2.5-7b-instruct", "train.objective=dpo", *PREF)  # pref.padding_free=auto
+    # pref.padding_free=auto is padded on sdpa (this quadratic mask is why); =true forces one row
+    assert not setup_of("model=qwen2.5-7b-instruct", "train.objective=dpo", *PREF).padding_free
+    packed = setup_of("model=qwen2.5-7b-instruct", "train.objective=dpo", *PREF, "pref.padding_free=true")
     padded = dataclasses.replace(packed, padding_free=False)
     assert packed.padding_free and layout(packed, 4, 512) == (1, 4096, True)
     assert layout(dataclasses.replace(packed, attn="flash_attention_2"), 4, 512) == (1, 4096, False)
