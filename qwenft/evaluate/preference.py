@@ -100,9 +100,10 @@ def preference_summary(rows: Sequence[Dict[str, Any]], seed: int = 0) -> Optiona
     """
     from qwenft.evaluate.intervals import mean_interval, wilson
 
-    scored = [r for r in rows if all((r.get(s) or {}).get("pref_margin") is not None for s in ("base", "tuned")
-                                     if s in r) and any(s in r for s in ("base", "tuned"))]
-    scored = [r for r in scored if any((r.get(s) or {}).get("pref_margin") is not None for s in ("base", "tuned"))]
+    def margins(row):
+        return [(row.get(side) or {}).get("pref_margin") for side in ("base", "tuned") if side in row]
+
+    scored = [r for r in rows if margins(r) and None not in margins(r)]  # a pair scored on every side it has
     if not scored:
         return None
     out: Dict[str, Any] = {"n": len(scored), "margin": {}, "margin_ci95": {}}

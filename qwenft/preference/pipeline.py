@@ -252,9 +252,8 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
         per_source[src.name] = counts
 
     weights = {src.name: src.weight for _, src in pref_sources}
-    available = {name: len(items) * (2 if unpaired and items and isinstance(items[0], EncodedPair) else 1)
-                 for name, items in usable.items()}
     train_items = {name: _columns(items, unpaired) for name, items in usable.items()}
+    available = {name: len(columns["prompt_ids"]) for name, columns in train_items.items()}  # KTO: a pair is two
     counts_used = mix_counts(available, {n: weights[n] for n in available}) if available else {}
     picked = choose(available, counts_used, dcfg.seed) if available else None
     columns = UNPAIRED_COLUMNS if unpaired else PAIR_COLUMNS
