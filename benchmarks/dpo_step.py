@@ -6,7 +6,7 @@ tokens, batch, LoRA (r=16 on all seven projections), optimizer, learning-rate sc
 TRL's sigmoid loss, beta 0.1, no gradient checkpointing, a log every step in both arms (:data:`PINNED`).
 
 - qwenft: built as ``python -m qwenft train +recipe=dpo`` builds it (:func:`qwenft.train.run.run`): ``load_model``,
-  ``attach_lora`` (peft's k-bit preparation), :func:`qwenft.train.preference.make_preference_trainer` (padded or
+  ``attach_lora`` (the k-bit preparation, :func:`qwenft.model.lora.prepare_kbit`), :func:`qwenft.train.preference.make_preference_trainer` (padded or
   padding-free as ``pref.padding_free`` resolves, recorded), freed memory handed back promptly on a CPU
   (``return_freed_memory_promptly``, as ``qwenft train`` does).
 - TRL: what its QLoRA documentation has a user write: ``from_pretrained`` with a ``BitsAndBytesConfig``,
@@ -26,8 +26,8 @@ children alternate ABBA (qwenft, TRL, TRL, qwenft, ...). Round ``r`` uses seed `
 the same pairs in the same order (checked through the token counts) and the steps pair up; the time ratio is the
 median over the paired steps. Memory: the peak RSS of the steps (``VmHWM``, reset just before ``trainer.train()``,
 read at the end of each step; on CUDA ``max_memory_allocated``), whole and above the process before its model was
-loaded, and the peak while the model was loaded and the trainer built (qwenft's k-bit preparation casts the
-embedding and lm_head to fp32 there: that peak is above its training peak). The first step's loss must be
+loaded, and the peak while the model was loaded and the trainer built (peft's k-bit preparation, which qwenft used
+until 2026-12-07, cast the embedding and lm_head to fp32 there). The first step's loss must be
 ln 2 = 0.6931 in both arms (the policy is the reference until the first update: LoRA's B starts at zero); the
 first gradient norms are compared (the same LoRA init: they agree to bf16 rounding) and so are the later losses.
 Targets (issue): qwenft <= 1.0x TRL's seconds per step and <= 0.8x its peak memory.
@@ -163,11 +163,12 @@ def build_qwenft(config, tokenizer, bundle, device: str, tmp: Path):
     from qwenft.kernels import resolve_kernels
     from qwenft.model import attach_lora, load_model
     from qwenft.train.preference import make_preference_trainer
+    from qwenft.train.trainer import autocast_dtype
 
     model, tokenizer = load_model(config, device=device, tokenizer=tokenizer)
     set_seed(config.train.seed)  # LoRA A is initialised randomly: the same seed gives the same run
     model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
-                        kernels=config.train.kernels)
+                        kernels=config.train.kernels, autocast_dtype=autocast_dtype(config, device))
     kernels = resolve_kernels(config.train.kernels, device.startswith("cuda"))
     trainer = make_preference_trainer(config, model, tokenizer, bundle, tmp / "checkpoints", kernels)
     return trainer, {"kernels": kernels, "padding_free": trainer.data_collator.padding_free}

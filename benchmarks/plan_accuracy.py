@@ -149,11 +149,13 @@ def child(spec: dict) -> dict:
 def _load(config, cuda: bool, load_peak=lambda: 0):
     """The model as qwenft trains it (tokenizer dropped), and ``load_peak()`` taken right after loading."""
     from qwenft.model import attach_lora, load_model
+    from qwenft.train.trainer import autocast_dtype
 
     model, tokenizer = load_model(config, device="cuda" if cuda else "cpu")
     peak = load_peak()
     del tokenizer
-    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
+    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
+                        autocast_dtype=autocast_dtype(config, "cuda" if cuda else "cpu"))
     model.train()
     return model, peak
 

@@ -62,11 +62,12 @@ class StepTimer:
 def qwenft_arm(config, steps: int, tmp: Path):
     from qwenft import data as data_lib
     from qwenft.model import attach_lora, load_model
-    from qwenft.train.trainer import make_trainer
+    from qwenft.train.trainer import autocast_dtype, make_trainer
 
     model, tokenizer = load_model(config)
     bundle = data_lib.build(config, tokenizer)
-    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing)
+    model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
+                        autocast_dtype=autocast_dtype(config, str(next(model.parameters()).device)))
     trainer = make_trainer(config, model, tokenizer, bundle, tmp / "qwenft", "none")
     timer = StepTimer()
     timer.wrap(trainer)

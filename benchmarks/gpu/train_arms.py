@@ -142,12 +142,13 @@ def qwenft_builder(build_model: Callable[[], object], tokenizer, config, rows, t
 
         from qwenft.data import DataBundle
         from qwenft.model import attach_lora
-        from qwenft.train.trainer import make_trainer
+        from qwenft.train.trainer import autocast_dtype, make_trainer
 
         cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, kernels=kernels))
         model = build_model()
         set_seed(cfg.train.seed)
-        model = attach_lora(model, cfg.lora, gradient_checkpointing=cfg.train.gradient_checkpointing, kernels=kernels)
+        model = attach_lora(model, cfg.lora, gradient_checkpointing=cfg.train.gradient_checkpointing, kernels=kernels,
+                            autocast_dtype=autocast_dtype(cfg, "cuda"))
         bundle = DataBundle(train=rows, eval=None, eval_rows={}, stats={})
         return make_trainer(cfg, model, tokenizer, bundle, tmp / f"qwenft-{kernels}", kernels)
 

@@ -83,7 +83,8 @@ class Config:
     def check_objective(self) -> None:
         """The training sources fit ``train.objective``: SFT trains on SFT formats, a preference objective on
         preference formats (pairs; KTO also on ``kto`` / ``kto_trl`` labelled answers, and on pairs, each answer
-        then one labelled example); a weight-0 source of another kind may still be held out for evaluation.
+        then one labelled example), with SFT sources mixed in beside a preference one; a weight-0 preference source
+        may still be held out for evaluation in an SFT run.
 
         Raises:
             ConfigError: naming the source and the setting to change.
@@ -98,6 +99,12 @@ class Config:
                    + ("ORPO carries its own NLL term (weight 1)" if objective == "orpo" else
                       "KTO's answers are unpaired, with no chosen answer to add an NLL term for")
                    + "; set pref.rpo_alpha=0 (the dpo recipe sets 1.0)")
+            trained = [s for s in self.data.sources if s.weight > 0]
+            _check(not trained or any(is_preference(s.format) for s in trained), "data.sources",
+                   ", ".join(f"{s.name} ({s.format})" for s in trained),
+                   f"train.objective={objective} needs a preference source of weight > 0 (a preference format: "
+                   "pairs_alpaca, pairs_sharegpt, pairs_trl, hh_rlhf, kto, kto_trl, or preference to detect it); "
+                   "SFT sources are mixed in beside one; or set train.objective=sft")
             _check(objective != "kto" or self.train.batch_size >= 2, "train.batch_size", self.train.batch_size,
                    "must be >= 2 for train.objective=kto: its KL estimate pairs each prompt with another example's "
                    "answer in the same batch")
@@ -109,11 +116,7 @@ class Config:
                 _check(not is_preference(src.format), key, src.format,
                        "is a preference format: train on it with train.objective=dpo (or ipo, simpo, orpo, kto), "
                        "or give it weight 0 to evaluate on it")
-            else:
-                _check(is_preference(src.format), key, src.format,
-                       f"is an SFT format, and train.objective={objective} trains on preference sources only (a "
-                       f"preference format: pairs_alpaca, pairs_sharegpt, pairs_trl, hh_rlhf, kto, kto_trl, or "
-                       f"preference to detect it); set data.sources.{i}.weight=0 to evaluate on it")
+            else:  # an SFT source of weight > 0 is mixed in: its rows' NLL joins the objective's loss
                 _check(objective == "kto" or src.format not in UNPAIRED_FORMATS, key, src.format,
                        f"holds unpaired labelled answers: train.objective={objective} needs pairs (chosen and "
                        "rejected); use train.objective=kto")

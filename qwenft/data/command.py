@@ -163,9 +163,12 @@ def pair_preview(config: Config) -> None:
     console.print(source_table(stats))
     unit = "examples" if config.train.objective == "kto" else "pairs"
     tokens = stats["tokens"]
-    console.print(f"objective: {config.train.objective}; training {unit}: {stats['train_examples']}; held out: "
-                  f"{', '.join(f'{n} {len(r)}' for n, r in bundle.eval_rows.items()) or 'none'}")
-    console.print(f"tokens per {unit[:-1]} (prompt + each answer): p50 {tokens['p50']}, p95 {tokens['p95']}, "
+    sft_rows = stats.get("sft_rows", 0)
+    console.print(f"objective: {config.train.objective}; training {unit}: {stats['train_examples'] - sft_rows}"
+                  + (f", SFT rows mixed in: {sft_rows} (their NLL added to the loss)" if sft_rows else "")
+                  + f"; held out: {', '.join(f'{n} {len(r)}' for n, r in bundle.eval_rows.items()) or 'none'}")
+    console.print(f"tokens per {unit[:-1]} (prompt + each answer{'; per SFT row, its tokens' if sft_rows else ''}): "
+                  f"p50 {tokens['p50']}, p95 {tokens['p95']}, "
                   f"max {tokens['max']} (max_seq_len {stats['max_seq_len']} per sequence, "
                   f"overlong={config.data.overlong})")
     console.print(f"truncated: {stats['truncated']}, dropped: {stats['dropped']}, skipped bad rows: "

@@ -20,9 +20,9 @@ the adapter's base), :mod:`~qwenft.model.fold` (LoRA folded into 16-bit weights 
 
 from qwenft.model.adapter import ADAPTER_META, check_adapter_dir, read_adapter_meta, save_adapter_meta
 from qwenft.model.load import count_parameters, dequantize_for_inference, load_model, load_tokenizer
-from qwenft.model.lora import attach_lora, load_adapter
+from qwenft.model.lora import attach_lora, end_training, load_adapter
 from qwenft.model.sources import MERGE_MARKER, embedded_model_dir, resolve_model_dir, tokenizer_dir
 
 __all__ = ["ADAPTER_META", "MERGE_MARKER", "attach_lora", "check_adapter_dir", "count_parameters",
-           "dequantize_for_inference", "embedded_model_dir", "load_adapter", "load_model", "load_tokenizer",
+           "dequantize_for_inference", "embedded_model_dir", "end_training", "load_adapter", "load_model", "load_tokenizer",
            "read_adapter_meta", "resolve_model_dir", "save_adapter_meta", "tokenizer_dir"]

@@ -28,7 +28,8 @@ def _peft_deprecations_quiet():
 
 
 def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, keep_dtype: bool = False,
-                kernels: str = "none", init_adapter: Optional[str] = None, reference: bool = False):
+                kernels: str = "none", init_adapter: Optional[str] = None, reference: bool = False,
+                autocast_dtype=None):
     """Wrap ``model`` with fresh LoRA adapters for training (a ``peft.PeftModel``), or with the saved adapter
     ``init_adapter`` made trainable (a second stage: DPO after SFT); ``reference`` also loads that adapter a
     second time, frozen, as ``reference`` (the preference objectives' reference model,
@@ -36,10 +37,12 @@ def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, ke
 
     The base's layers are first patched with the chosen kernels (``kernels``: ``train.kernels``, resolved for the
     model's device by :func:`qwenft.kernels.resolve_kernels`, applied by :func:`qwenft.kernels.apply_kernels`).
-    A 4-bit base goes through peft's k-bit preparation (frozen base, fp32 norms, input grads), unless
-    ``keep_dtype`` (sharded QLoRA, FSDP / ZeRO-3: the weights must keep the one storage dtype they are sharded
-    in, so the base is only frozen, as a 16-bit one is). Gradient checkpointing is non-reentrant, so LoRA
-    weights still get gradients when the embeddings are frozen; ``use_cache`` is off while training.
+    A 4-bit base goes through the k-bit preparation (:func:`prepare_kbit`: frozen base, fp32 norms and residual
+    stream; under autocast to ``autocast_dtype``, the training's ``train.precision`` resolved by
+    :func:`qwenft.train.trainer.autocast_dtype`, the embedding and lm_head stay in it), unless ``keep_dtype``
+    (sharded QLoRA, FSDP / ZeRO-3: the weights must keep the one storage dtype they are sharded in, so the base is
+    only frozen, as a 16-bit one is). Gradient checkpointing is non-reentrant, so LoRA weights still get gradients
+    when the embeddings are frozen; ``use_cache`` is off while training.
 
     Returns:
         The PEFT model; trainable and total parameter counts are logged.
@@ -49,13 +52,13 @@ def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, ke
     """
     apply_kernels(model, resolve_kernels(kernels, next(model.parameters()).device.type == "cuda"))
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     ckpt_kwargs = {"use_reentrant": False}
     if getattr(model, "is_loaded_in_4bit", False) and not keep_dtype:
-        with _peft_deprecations_quiet():
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                    gradient_checkpointing_kwargs=ckpt_kwargs)
+        prepare_kbit(model, autocast_dtype)
+        if gradient_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
     else:
         for param in model.parameters():
             param.requires_grad_(False)
@@ -85,6 +88,69 @@ def attach_lora(model, lcfg: LoraConfig, gradient_checkpointing: bool = True, ke
     log.info("LoRA r=%d alpha=%d on %s: %s trainable of %s parameters (%.3f%%)", lcfg.r, lcfg.lora_alpha,
              ",".join(lcfg.target_modules), f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1))
     return peft_model
+
+
+EMBEDDING_CAST = "_qwenft_embedding_cast"  # the model attribute holding the hook prepare_kbit registered
+
+
+def prepare_kbit(model, autocast_dtype=None) -> int:
+    """Prepare a 4-bit base for LoRA training as peft's ``prepare_model_for_kbit_training`` does (every parameter
+    frozen; every 16-bit parameter that is not 4-bit cast to fp32: norms, biases, embedding, lm_head), except that
+    under a 16-bit autocast (``autocast_dtype``, a torch dtype, or None) an embedding and lm_head already in that
+    dtype stay in it, and the embedding's output is cast to fp32 instead (a forward hook, removed by
+    :func:`end_training`): the residual stream is fp32 as after peft's preparation, with the same values (the fp32
+    table peft makes holds the 16-bit values), and the losses and gradients are the same bit for bit
+    (docs/performance.md, "DPO step"). The vocabulary projection runs in the autocast dtype either way. This keeps
+    2 bytes per embedding and lm_head weight out of the peak: Qwen2.5-0.5B's tied 151,936 x 896 table, 260 MiB;
+    Qwen2.5-7B's untied embedding, 1.1 GB (its lm_head went back to 16-bit after peft's cast already,
+    :func:`qwenft.train.trainer.head_to_autocast_dtype`, but only after the fp32 copy was made).
+
+    Gradient checkpointing is the caller's (non-reentrant, so no input-grad hook is needed). On a CPU the weights
+    left as views into the memory-mapped checkpoint are copied out of it (:func:`qwenft.memory.release_mapped_weights`),
+    so the file's pages do not stay resident beside them.
+
+    Returns:
+        The bytes of embedding and lm_head kept 16-bit (0 when they were cast to fp32).
+    """
+    import torch
+
+    for param in model.parameters():
+        param.requires_grad_(False)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    keep = {}
+    if autocast_dtype in (torch.bfloat16, torch.float16):
+        for module in (embed, head):
+            if module is not None and module.weight.dtype == autocast_dtype:
+                keep[id(module.weight)] = module.weight
+    for param in model.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit" \
+                and id(param) not in keep:
+            param.data = param.data.to(torch.float32)
+    if id(embed.weight) in keep:
+        setattr(model, EMBEDDING_CAST, embed.register_forward_hook(_embedding_output_fp32))
+    device = next(model.parameters()).device.type
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    elif device == "cpu":
+        from qwenft.memory import release_mapped_weights
+
+        release_mapped_weights([*model.parameters(), *model.buffers()])
+    return sum(p.numel() * p.element_size() for p in keep.values())
+
+
+def _embedding_output_fp32(module, inputs, output):
+    return output.float()
+
+
+def end_training(model) -> bool:
+    """Remove the embedding's fp32 cast :func:`prepare_kbit` registered (on ``model`` or the base a PEFT model wraps),
+    so an evaluation in the training's process runs as a later ``qwenft eval`` does. Returns whether one was there."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model forwards reads only
+    handle = base.__dict__.pop(EMBEDDING_CAST, None)
+    if handle is None:
+        return False
+    handle.remove()
+    return True
 
 
 def load_adapter(model, adapter_dir: str, trainable: bool = False):

@@ -6,8 +6,10 @@ applied to what qwenft actually runs: transformers' Qwen2 layers (modeling_qwen2
 (tuners/lora/layer.py, bnb.py) and the QLoRA preparation in ``qwenft.model.attach_lora``. Three facts of that
 stack drive most terms:
 
-- ``peft.prepare_model_for_kbit_training`` casts every parameter that is not 4-bit (embeddings, lm_head, norms,
-  biases) to fp32, so under NF4 the residual stream is fp32 and those weights take 4 bytes each.
+- The k-bit preparation (``qwenft.model.lora.prepare_kbit``, peft's ``prepare_model_for_kbit_training`` but for the
+  embedding and lm_head) casts every parameter that is not 4-bit (norms, biases) to fp32, so under NF4 the residual
+  stream is fp32 and those weights take 4 bytes each; under 16-bit autocast the embedding and lm_head stay 16-bit
+  (the embedding's output cast to fp32), else they are fp32 too.
 - peft keeps LoRA weights in fp32 (``autocast_adapter_dtype=True``) and casts a layer's input to that dtype
   before dropout; bitsandbytes' ``Linear4bit`` casts its output back to its input's dtype and its autograd
   function saves only the packed weight (bitsandbytes/autograd/_functions.py, ``MatMul4Bit``).
@@ -137,14 +139,14 @@ def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = NF4_BLOCKS
 
 
 def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes: int,
-                 head_bytes: Optional[int] = None) -> Dict[str, int]:
+                 head_bytes: Optional[int] = None, embed_bytes: Optional[int] = None) -> Dict[str, int]:
     """Weight bytes by component (the keys of :func:`parameter_counts`), and ``total``.
 
     With ``nf4`` the seven projections of every layer are NF4 (:func:`nf4_bytes`); embeddings, lm_head, norms
     and biases stay dense at ``dense_bytes`` each (bitsandbytes quantizes only ``nn.Linear`` layers and
     transformers keeps the output embedding out). Pass 2 for the weights as loaded in 16-bit, 4 for the weights
-    during QLoRA training (``prepare_model_for_kbit_training`` casts the dense ones to fp32). ``head_bytes``: an
-    untied lm_head's bytes when they differ (:func:`training_weight_bytes`).
+    during QLoRA training (the k-bit preparation casts the dense ones to fp32). ``head_bytes`` / ``embed_bytes``:
+    an untied lm_head's / the embedding's bytes when they differ (:func:`training_weight_bytes`).
     """
     counts = parameter_counts(arch)
     L, shapes = arch.num_hidden_layers, projection_shapes(arch)
@@ -159,15 +161,24 @@ def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes:
         out[name] = dense_bytes * counts[name]
     if head_bytes is not None:
         out["lm_head"] = head_bytes * counts["lm_head"]
+    if embed_bytes is not None:
+        out["embeddings"] = embed_bytes * counts["embeddings"]
     out["total"] = sum(out.values())
     return out
 
 
+def embedding_kept_16bit(setup: "TrainSetup") -> bool:
+    """Whether QLoRA training keeps the embedding (and a tied lm_head) 16-bit: NF4 under 16-bit autocast, the
+    weights loaded in the 16-bit compute dtype (``qwenft.model.lora.prepare_kbit``)."""
+    return setup.nf4 and setup.amp and setup.compute_bytes == 2
+
+
 def head_bytes_training(arch: Architecture, setup: "TrainSetup") -> int:
-    """Bytes per lm_head weight during training: an untied lm_head is kept in the 16-bit autocast dtype under
-    autocast (``qwenft.train.trainer.make_trainer``: the projection runs in it anyway), else it has the other
-    dense weights' dtype (fp32 after k-bit preparation, ``model.dtype`` for a 16-bit base)."""
-    if setup.amp and not arch.tie_word_embeddings:
+    """Bytes per lm_head weight during training: under autocast an untied lm_head is kept in the 16-bit autocast
+    dtype (``qwenft.train.trainer.make_trainer``: the projection runs in it anyway), and so is a tied one under
+    NF4 (:func:`embedding_kept_16bit`); else it has the other dense weights' dtype (fp32 after k-bit
+    preparation, ``model.dtype`` for a 16-bit base)."""
+    if (setup.amp and not arch.tie_word_embeddings) or embedding_kept_16bit(setup):
         return 2
     return 4 if setup.nf4 else setup.model_bytes
 
@@ -175,7 +186,7 @@ def head_bytes_training(arch: Architecture, setup: "TrainSetup") -> int:
 def training_weight_bytes(arch: Architecture, setup: "TrainSetup") -> Dict[str, int]:
     """Weight bytes by component during training (:func:`weight_bytes` with the training dtypes)."""
     return weight_bytes(arch, setup.nf4, setup.double_quant, 4 if setup.nf4 else setup.model_bytes,
-                        head_bytes_training(arch, setup))
+                        head_bytes_training(arch, setup), 2 if embedding_kept_16bit(setup) else None)
 
 
 def kv_cache_bytes(arch: Architecture, tokens: int, bytes_per_value: int = 2) -> int:
@@ -249,7 +260,7 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
     n = batch * seq
     lcfg = setup.lora
     targets, r = set(lcfg.target_modules), lcfg.r
-    res_b = 4 if setup.nf4 else setup.model_bytes  # residual stream (fp32 embeddings after k-bit prep)
+    res_b = 4 if setup.nf4 else setup.model_bytes  # residual stream (fp32 embeddings, or their output cast, under NF4)
     proj_b = 2 if (setup.amp and not setup.nf4) else res_b  # Linear4bit casts back to its input dtype
     attn_b = 2 if setup.amp else proj_b
     mask_b = 1 if setup.device == "cuda" else 4

@@ -17,8 +17,11 @@ same way (the eval loss during training). ``bundle.eval_rows``: per source, the 
 SFT's (``messages`` ending with the chosen answer, ``prompt_ids``, ``input_ids`` / ``labels`` of prompt + chosen)
 plus ``rejected`` (text), ``rejected_input_ids`` and ``rejected_labels``; KTO rows carry their ``label`` instead.
 
-SFT sources of weight 0 in the same run (e.g. general answers held out for retention) are built by the SFT path
-(:func:`qwenft.data.build`) and their held-out rows join ``eval_rows``.
+SFT sources in the same run are built by the SFT path (:func:`qwenft.data.build`) and their held-out rows join
+``eval_rows`` (e.g. general answers held out for retention). One of weight > 0 is also trained on: each is built
+alone (its usable rows, once each) and mixed with the preference sources by weight, exactly as SFT sources mix;
+its rows carry ``input_ids`` / ``labels`` (the preference columns empty, a pair's ``input_ids`` / ``labels`` empty),
+and the trainer adds their NLL to the objective's loss (:mod:`qwenft.train.preference`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from qwenft.data.formats import DataError
 from qwenft.data.mix import choose, eval_indices, mix_counts
 from qwenft.data.pipeline import DataBundle
 from qwenft.data.render import TemplateCache
+from qwenft.data.template import IGNORE_INDEX
 from qwenft.preference.data import (EncodedPair, EncodedUnpaired, PreferenceRead, PreferenceSource, read_preference,
                                     tokenize_example)
 from qwenft.preference.formats import PreferencePair
@@ -51,6 +55,7 @@ log = logging.getLogger("qwenft.data")
 CACHE_VERSION = 1
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 UNPAIRED_COLUMNS = ("prompt_ids", "completion_ids", "label")
+SFT_COLUMNS = ("input_ids", "labels")  # an SFT row mixed in (its preference columns empty)
 
 
 @dataclass
@@ -254,24 +259,36 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
     weights = {src.name: src.weight for _, src in pref_sources}
     train_items = {name: _columns(items, unpaired) for name, items in usable.items()}
     available = {name: len(columns["prompt_ids"]) for name, columns in train_items.items()}  # KTO: a pair is two
+    cache = {"hits": 0, "misses": 0}  # the SFT sources' builds
+    sft_rows = _sft_training_rows(config, tokenizer, per_source, eval_rows, cache)
+    for name, rows in sft_rows.items():
+        weights[name], available[name] = per_source[name]["weight"], len(rows["input_ids"])
     counts_used = mix_counts(available, {n: weights[n] for n in available}) if available else {}
     picked = choose(available, counts_used, dcfg.seed) if available else None
     columns = UNPAIRED_COLUMNS if unpaired else PAIR_COLUMNS
-    train: Dict[str, list] = {name: [] for name in (*columns, "source")}
+    mixed = bool(sft_rows)
+    train: Dict[str, list] = {name: [] for name in (*columns, *(SFT_COLUMNS if mixed else ()), "source")}
+    blank = {"label": False}  # an SFT row's empty preference columns, a pair's empty SFT ones
     total = len(picked) if picked is not None else 0
     if picked is not None:
         for name, k in picked:
-            for column in columns:
-                train[column].append(train_items[name][column][k])
+            own = sft_rows[name] if name in sft_rows else train_items[name]
+            for column in train:
+                if column != "source":
+                    train[column].append(own[column][k] if column in own else blank.get(column, []))
             train["source"].append(name)
     active = sum(w for w in weights.values() if w > 0) or 1.0
     for name, counts in per_source.items():
         used = counts_used.get(name, 0)
         counts.update(used=used, repeats=max(0, used - available.get(name, 0)),
-                      share_target=round(weights[name] / active, 6) if weights[name] > 0 else 0.0,
+                      share_target=round(weights[name] / active, 6) if weights.get(name, 0) > 0 else 0.0,
                       share_achieved=round(used / total, 6) if total else 0.0)
     lengths, answer_tokens = [], 0
     for k in range(total):
+        if mixed and train["input_ids"][k]:
+            lengths.append(len(train["input_ids"][k]))
+            answer_tokens += sum(t != IGNORE_INDEX for t in train["labels"][k])
+            continue
         answers = ([train["completion_ids"][k]] if unpaired else [train["chosen_ids"][k], train["rejected_ids"][k]])
         lengths.append(len(train["prompt_ids"][k]) * len(answers) + sum(map(len, answers)))
         answer_tokens += sum(map(len, answers))
@@ -280,8 +297,9 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
     train_ds = datasets.Dataset.from_dict(train)
     eval_ds = datasets.Dataset.from_dict(eval_columns)
     sample = None
-    if total:
-        sample = {"source": train["source"][0], **{c: train[c][0] for c in columns}}
+    first = next((k for k in range(total) if not (mixed and train["input_ids"][k])), None)  # the first pair
+    if first is not None:
+        sample = {"source": train["source"][first], **{c: train[c][first] for c in columns}}
     stats: Dict[str, Any] = {
         "kind": "preference", "objective": config.train.objective, "sources": per_source, "train_examples": total,
         "train_rows": total, "eval_examples": len(eval_ds), "tokens": _percentiles(lengths),
@@ -291,26 +309,59 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
         "supervised_share": round(answer_tokens / max(sum(lengths), 1), 6), "packing": False, "pack_fill": None,
         "cache_hits": hits, "cache_misses": misses, "system_prompt": None,
     }
-    sft_eval = [s for s in dcfg.sources if not is_preference(s.format)]
+    sft_eval = [s for s in dcfg.sources if not is_preference(s.format) and s.weight <= 0]
     bundle = DataBundle(train=train_ds, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample)
-    if sft_eval:  # SFT sources of weight 0 (check_objective): their held-out rows, evaluated beside the pairs
-        from qwenft.data.pipeline import build
-
-        sft_config = copy.copy(config)  # no Config.__post_init__: these sources alone train nothing
-        sft_config.data = dataclasses.replace(dcfg, sources=sft_eval)
-        other = build(sft_config, tokenizer)
+    stats["sft_rows"] = sum(per_source[name].get("used", 0) for name in sft_rows)
+    if sft_eval:  # SFT sources of weight 0: their held-out rows, evaluated beside the pairs
+        other = _sft_build(config, tokenizer, sft_eval, cache)
         bundle.eval_rows.update(other.eval_rows)
         stats["sources"].update(other.stats["sources"])
-        stats["cache_hits"] += other.stats["cache_hits"]
-        stats["cache_misses"] += other.stats["cache_misses"]
+    stats["cache_hits"] += cache["hits"]
+    stats["cache_misses"] += cache["misses"]
     stats["seconds"] = round(time.perf_counter() - start, 3)
+    kind = "examples" if unpaired else "pairs"
     log.info("data: %d training %s (%s), %d held out (%d usable for the eval loss); tokens p50 %d p95 %d max %d; %d "
-             "truncated, %d dropped; built in %.1f s (cache: %d hit(s), %d miss(es))", total,
-             "examples" if unpaired else "pairs", ", ".join(f"{n} {c.get('used', 0)}" for n, c in per_source.items()),
+             "truncated, %d dropped; built in %.1f s (cache: %d hit(s), %d miss(es))", total - stats["sft_rows"],
+             kind + (f" and {stats['sft_rows']} SFT rows" if stats["sft_rows"] else ""),
+             ", ".join(f"{n} {c.get('used', 0)}" for n, c in per_source.items()),
              sum(c["eval"] for c in per_source.values()), len(eval_ds),
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
-             stats["dropped"], stats["seconds"], hits, misses)
+             stats["dropped"], stats["seconds"], stats["cache_hits"], stats["cache_misses"])
     return bundle
+
+
+def _sft_build(config: Config, tokenizer, sources: List[DataSource], cache: Dict[str, int]) -> DataBundle:
+    """The SFT build (:func:`qwenft.data.build`) of ``sources`` alone, in ``config``'s data settings; its cache
+    hits and misses added to ``cache``."""
+    from qwenft.data.pipeline import build
+
+    sft_config = copy.copy(config)  # no Config.__post_init__: the objective's checks are not the SFT build's
+    sft_config.data = dataclasses.replace(config.data, sources=sources)
+    level = log.level
+    log.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # its summary line is part of the preference build's
+    try:
+        bundle = build(sft_config, tokenizer)
+    finally:
+        log.setLevel(level)
+    cache["hits"] += bundle.stats["cache_hits"]
+    cache["misses"] += bundle.stats["cache_misses"]
+    return bundle
+
+
+def _sft_training_rows(config: Config, tokenizer, per_source: Dict[str, Dict[str, Any]],
+                       eval_rows: Dict[str, List[dict]], cache: Dict[str, int]) -> Dict[str, Dict[str, list]]:
+    """The SFT sources of weight > 0 of a preference run, each built alone (weight 1: every usable row once, its
+    held-out rows into ``eval_rows``, its counts into ``per_source`` with its own weight): per source, its rows'
+    ``input_ids`` and ``labels`` columns, to be mixed with the pairs by weight."""
+    out: Dict[str, Dict[str, list]] = {}
+    for src in config.data.sources:
+        if is_preference(src.format) or src.weight <= 0:
+            continue
+        bundle = _sft_build(config, tokenizer, [dataclasses.replace(src, weight=1.0)], cache)
+        eval_rows.update(bundle.eval_rows)
+        per_source[src.name] = {**bundle.stats["sources"][src.name], "weight": src.weight}
+        out[src.name] = {column: bundle.train[column] for column in SFT_COLUMNS}
+    return out
 
 
 def has_preference(config: Config) -> bool:

@@ -23,6 +23,12 @@ One step, for a batch of ``B`` pairs:
 
 KTO's batch is ``B`` prompt + answer sequences, then the same prompts with the answers rotated by one (answer
 ``i - 1`` after prompt ``i``: TRL's KL estimate's mismatched pairs), in one forward.
+
+SFT rows mixed into the run by weight (an SFT source with ``weight > 0``, :mod:`qwenft.preference.pipeline`) ride in
+the same batches: the collator lays them out apart (``sft_*``, right-padded), the policy runs one more forward over
+them, and their NLL (nats per supervised token, as SFT's loss) joins the objective's loss with each row weighted as a
+pair: ``loss = (P * objective + S * nll) / (P + S)`` for a batch of ``P`` pairs (KTO: examples) and ``S`` SFT rows,
+logged as ``sft_nll``. No reference forward runs for them.
 """
 
 from __future__ import annotations
@@ -154,14 +160,17 @@ class PreferenceCollator:
 
     Returns per batch: ``input_ids``, ``labels`` (-100 over prompts and padding), ``seq_ids`` (which sequence a token
     belongs to, -1 for padding), ``n_seqs``, ``pairs`` (``B``), and ``attention_mask`` (padded, ``[2B, longest]``,
-    right padding) or ``position_ids`` (padding-free, ``[1, all tokens]``).
+    right padding) or ``position_ids`` (padding-free, ``[1, all tokens]``); none of these when the batch holds no
+    pair. SFT rows (non-empty ``input_ids`` / ``labels`` columns, :func:`is_sft_row`) are laid out apart, right-padded:
+    ``sft_input_ids``, ``sft_labels``, ``sft_attention_mask`` ``[S, longest]``; ``sft_rows`` (``S``, 0 without any).
     """
 
     def __init__(self, pad_token_id: int, padding_free: bool, unpaired: bool = False) -> None:
         self.pad, self.padding_free, self.unpaired = pad_token_id, padding_free, unpaired
 
     def sequences(self, features: Sequence[Dict[str, Any]]) -> List[tuple]:
-        """``(input_ids, labels)`` of every sequence, in batch order."""
+        """``(input_ids, labels)`` of every preference sequence, in batch order (SFT rows left out)."""
+        features = [f for f in features if not is_sft_row(f)]
         out = []
         if self.unpaired:
             answers = [f["completion_ids"] for f in features]
@@ -176,8 +185,22 @@ class PreferenceCollator:
         return out
 
     def __call__(self, features: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        sft = [f for f in features if is_sft_row(f)]
+        features = [f for f in features if not is_sft_row(f)]
+        batch: Dict[str, torch.Tensor] = {"sft_rows": torch.tensor(len(sft))}
+        if sft:
+            width = max(len(f["input_ids"]) for f in sft)
+            batch["sft_input_ids"] = torch.tensor([list(f["input_ids"]) + [self.pad] * (width - len(f["input_ids"]))
+                                                   for f in sft], dtype=torch.long)
+            batch["sft_labels"] = torch.tensor([list(f["labels"]) + [IGNORE_INDEX] * (width - len(f["labels"]))
+                                                for f in sft], dtype=torch.long)
+            batch["sft_attention_mask"] = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"]))
+                                                        for f in sft], dtype=torch.long)
+        batch["pairs"] = torch.tensor(len(features))
+        if not features:
+            return batch
         seqs = self.sequences(features)
-        batch: Dict[str, torch.Tensor] = {"n_seqs": torch.tensor(len(seqs)), "pairs": torch.tensor(len(features))}
+        batch["n_seqs"] = torch.tensor(len(seqs))
         if self.padding_free:
             ids = [t for s, _ in seqs for t in s]
             batch["input_ids"] = torch.tensor([ids], dtype=torch.long)
@@ -198,6 +221,12 @@ class PreferenceCollator:
             if all(name in f for f in features):
                 batch[name] = torch.tensor([float(f[name]) for f in features], dtype=torch.float32)
         return batch
+
+
+def is_sft_row(feature: Dict[str, Any]) -> bool:
+    """Whether a training row is an SFT row mixed into a preference run (its ``input_ids`` column filled; a pair's or
+    KTO example's is empty, :mod:`qwenft.preference.pipeline`)."""
+    return bool(feature.get("input_ids"))
 
 
 def padding_free_of(config: Config) -> bool:
@@ -276,13 +305,42 @@ class PreferenceTrainer(QwenftTrainer):
                                rejected_lengths=lengths[b:], label_smoothing=p.label_smoothing,
                                gamma_beta_ratio=p.gamma_beta_ratio, rpo_alpha=p.rpo_alpha)
 
+    def sft_nll(self, model, inputs) -> torch.Tensor:
+        """The batch's SFT rows' NLL: nats per supervised token (their summed token NLL over their token count), as
+        SFT's loss (:func:`qwenft.train.loss.supervised_loss_sum`, no logits tensor)."""
+        from qwenft.train.loss import supervised_loss_sum
+
+        rows = {"input_ids": inputs["sft_input_ids"], "attention_mask": inputs["sft_attention_mask"],
+                "labels": inputs["sft_labels"]}
+        with self.accelerator.autocast():
+            total, count = supervised_loss_sum(model, rows, self.kernels)
+        return total / count.clamp(min=1)
+
+    def batch_tokens(self, inputs) -> int:
+        """The non-padding tokens of the batch's preference sequences and SFT rows."""
+        tokens = 0
+        if int(inputs["pairs"]):
+            tokens += super().batch_tokens(inputs)
+        if int(inputs["sft_rows"]):
+            tokens += int(inputs["sft_attention_mask"].sum())
+        return tokens
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The objective's loss on one batch; its metrics are kept for the next log (``train`` or ``eval``)."""
-        out = self.preference_outputs(model, inputs)
+        """The objective's loss on one batch, with the SFT rows' NLL mixed in (module docstring); the metrics are
+        kept for the next log (``train`` or ``eval``)."""
         store = self._stored["train" if model.training else "eval"]
-        for name, value in out.metrics.items():
-            store[name].append(float(value))
-        return (out.loss, {"loss": out.loss}) if return_outputs else out.loss
+        pairs, rows = int(inputs["pairs"]), int(inputs.get("sft_rows", 0))
+        loss = None
+        if pairs:
+            out = self.preference_outputs(model, inputs)
+            for name, value in out.metrics.items():
+                store[name].append(float(value))
+            loss = out.loss
+        if rows:
+            nll = self.sft_nll(model, inputs)
+            store["sft_nll"].append(float(nll.detach()))
+            loss = nll if loss is None else (pairs * loss + rows * nll) / (pairs + rows)
+        return (loss, {"loss": loss}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The eval loss of a held-out batch (its metrics kept for the eval log); no logits are returned."""
@@ -317,13 +375,18 @@ def precompute_reference(model, dataset, collator: PreferenceCollator, batch_siz
     with tqdm(total=len(dataset), desc="reference log-probs", unit="pair", leave=False) as bar:
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-            batch = {k: v.to(device) for k, v in collator(rows).items()}
-            with torch.no_grad(), reference_adapter(model), autocast():
-                logps, _ = sequence_logprobs(model, batch)
-            b = len(rows)
-            chosen += logps[:b].tolist()
-            rejected += logps[b:].tolist()
-            bar.update(b)
+            pairs = [k for k, row in enumerate(rows) if not is_sft_row(row)]
+            got_chosen, got_rejected = [0.0] * len(rows), [0.0] * len(rows)  # an SFT row has no reference: 0
+            if pairs:
+                batch = {k: v.to(device) for k, v in collator([rows[k] for k in pairs]).items()}
+                with torch.no_grad(), reference_adapter(model), autocast():
+                    logps, _ = sequence_logprobs(model, batch)
+                b = len(pairs)
+                for k, c, r in zip(pairs, logps[:b].tolist(), logps[b:].tolist()):
+                    got_chosen[k], got_rejected[k] = c, r
+            chosen += got_chosen
+            rejected += got_rejected
+            bar.update(len(rows))
     return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
 
 

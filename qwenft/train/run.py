@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional
 from qwenft.config import Config
 from qwenft.files import atomic_write_text, publish_dir, staging_dir
 from qwenft.train.rundir import check_run_dir, config_yaml
-from qwenft.train.trainer import make_trainer
+from qwenft.train.trainer import autocast_dtype, make_trainer
 
 log = logging.getLogger("qwenft.train")
 
@@ -60,8 +60,8 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
 
 def _preference_key(key: str) -> bool:
     """A preference objective's logged metric (TRL's names: ``rewards/*``, ``logps/*``, ``kl``, ``nll_loss``,
-    ``log_odds_*``)."""
-    return key.startswith(("rewards/", "logps/", "log_odds")) or key in ("kl", "nll_loss")
+    ``log_odds_*``; qwenft's ``sft_nll``: mixed-in SFT rows' NLL)."""
+    return key.startswith(("rewards/", "logps/", "log_odds")) or key in ("kl", "nll_loss", "sft_nll")
 
 
 def train_metrics(trainer, seconds: float, tokens: Optional[int] = None) -> Dict[str, Any]:
@@ -201,7 +201,8 @@ def run(config: Config) -> Path:
         model = attach_lora(model, config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
                             keep_dtype=config.dist.quant_storage != "uint8", kernels=config.train.kernels,
                             init_adapter=config.init_adapter, reference=bool(config.init_adapter) and preference
-                            and needs_reference(config.train.objective))
+                            and needs_reference(config.train.objective),
+                            autocast_dtype=autocast_dtype(config, str(next(model.parameters()).device)))
         kernels = resolve_kernels(config.train.kernels, next(model.parameters()).device.type == "cuda")  # as applied
         if preference:
             from qwenft.train.preference import make_preference_trainer
@@ -251,7 +252,10 @@ def _release_training_state(trainer, model) -> None:
     """Drop what only training needs, on every rank before the process group goes: the optimizer states, the
     scheduler, the LoRA gradients and the distributed wrapper (referenced by the Trainer, its callback handler and
     the Accelerator), so the evaluation after ``train`` holds what a later ``qwenft eval`` holds."""
+    from qwenft.model import end_training
+
     model.zero_grad(set_to_none=True)
+    end_training(model)  # the k-bit preparation's embedding cast (qwenft.model.lora.prepare_kbit)
     trainer.accelerator.free_memory()
     trainer.model_wrapped = trainer.model
     trainer.optimizer = trainer.lr_scheduler = None

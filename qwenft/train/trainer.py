@@ -46,6 +46,18 @@ def _precision_and_optim(config: Config, model) -> Tuple[Dict[str, bool], str]:
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}, optim
 
 
+def autocast_dtype(config: Config, device: str):
+    """The 16-bit dtype training on ``device`` autocasts to (``train.precision`` resolved as the Trainer's flags
+    are, :func:`qwenft.runtime.resolve_precision`): ``torch.bfloat16`` / ``torch.float16``, or None for fp32."""
+    import torch
+
+    from qwenft.runtime import native_bf16, resolve_dtype, resolve_precision
+
+    compute = config.quant.compute_dtype if config.quant.method == "nf4" else config.model.dtype
+    choice = resolve_precision(config.train.precision, resolve_dtype(compute, device), native_bf16(device))
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(choice)
+
+
 def wandb_env(config: Config) -> None:
     """W&B logs offline unless the user is logged in or set WANDB_MODE; files go into the run directory (the
     Trainer's W&B callback starts a run on rank 0 only)."""
@@ -105,10 +117,11 @@ def torch_dtype_of(args):
 def head_to_autocast_dtype(model, dtype) -> bool:
     """Keep a frozen, untied fp32 ``lm_head`` in the autocast dtype ``dtype``.
 
-    Under autocast the vocabulary projection runs in ``dtype`` anyway; peft's k-bit preparation upcast the weight to
-    fp32 (2.2 GB for Qwen2.5-7B's 152064 x 3584), which autocast would cast back on every step (a 1.1 GB copy). The
-    values are unchanged (a 16-bit checkpoint's weight went 16 -> 32 -> 16 bits). A tied lm_head (it is the input
-    embedding: casting it would change the residual stream's dtype) or a trainable one is left alone.
+    Under autocast the vocabulary projection runs in ``dtype`` anyway; a fp32 head (a 16-bit base under fp32 weights,
+    or a k-bit preparation without autocast dtype, :func:`qwenft.model.lora.prepare_kbit`: 2.2 GB for Qwen2.5-7B's
+    152064 x 3584) would be cast back on every step (a 1.1 GB copy). The values are unchanged when the checkpoint's
+    weight was 16-bit. A tied lm_head (it is the input embedding: casting it would change the residual stream's dtype)
+    or a trainable one is left alone.
 
     Returns:
         Whether the weight was cast.
@@ -245,9 +258,13 @@ class QwenftTrainer(Trainer):
         if grads and not torch.isfinite(torch.stack([g.detach().float().norm() for g in grads])).all():
             raise NonFiniteError(f"non-finite gradient norm at step {step}; training stopped, the last good "
                                  f"checkpoint under {self.checkpoint_dir} is kept")
-        mask = inputs.get("attention_mask")
-        self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        self.tokens_seen += self.batch_tokens(inputs)
         return loss
+
+    def batch_tokens(self, inputs) -> int:
+        """The non-padding tokens of a collated batch (``tokens_seen``)."""
+        mask = inputs.get("attention_mask")
+        return int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         now = time.perf_counter()

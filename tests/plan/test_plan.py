@@ -177,14 +177,15 @@ def test_training_memory_shape_of_the_answer():
     terms = activation_terms(arch, setup, 1, 2048)
     assert with_gc["loss"] == terms["loss_saved"] + terms["loss_transient"]
     assert with_gc["loss"] < 2048 * arch.vocab_size  # less than one byte per logit: no logits tensor
-    # Training weights: NF4 projections + fp32 embeddings/norms/biases (peft k-bit preparation) + the untied lm_head
-    # kept in bf16 under autocast (qwenft.train.head_to_autocast_dtype).
+    # Training weights: NF4 projections + fp32 norms/biases (the k-bit preparation) + the embedding and the untied
+    # lm_head kept in bf16 under autocast (qwenft.model.lora.prepare_kbit).
     counts = parameter_counts(arch)
-    dense = counts["embeddings"] + counts["norms"] + counts["attention_bias"]
+    dense = counts["norms"] + counts["attention_bias"]
     bits = 4 + 8 / 64 + 32 / (64 * 256)  # NF4 with double-quantized absmax
     # rel 1e-6: only the per-tensor rounding up of blocks differs from the per-weight average
     projections = bits / 8 * (counts["attention"] + counts["mlp"])
-    assert with_gc["weights"] - 4 * dense - 2 * counts["lm_head"] == pytest.approx(projections, rel=1e-6)
+    assert with_gc["weights"] - 4 * dense - 2 * (counts["embeddings"] + counts["lm_head"]) == \
+        pytest.approx(projections, rel=1e-6)
     bigger = training_memory(arch, setup, 4, 2048)
     assert bigger["peak"] > with_gc["peak"]
 

@@ -113,9 +113,41 @@ def test_an_sft_source_of_weight_0_is_held_out_beside_the_pairs(tmp_path, tokeni
     assert bundle.stats["sources"]["general"]["eval"] == 4 and len(bundle.train) == 6
 
 
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_an_sft_source_of_weight_above_0_is_mixed_with_the_pairs_by_weight(tmp_path, tokenizer, objective):
+    from qwenft.preference.pipeline import build_preference
+    from qwenft.train.preference import PreferenceCollator, is_sft_row
+
+    pairs = write_jsonl(tmp_path / "p.jsonl", pair_rows(10))
+    general = write_rows(tmp_path / "g.jsonl", 12)
+    sources = [{"name": "p", "path": str(pairs), "format": "pairs_alpaca", "weight": 0.8, "eval_rows": 2},
+               {"name": "general", "path": str(general), "format": "alpaca", "weight": 0.2, "eval_rows": 2}]
+    extra = ("train.batch_size=2",) if objective == "kto" else ()
+    bundle = build_preference(config_for(tmp_path, sources, *extra, objective=objective), tokenizer)
+    stats = bundle.stats
+    unit = 2 if objective == "kto" else 1  # KTO: a pair is two examples
+    # 8 pairs (16 KTO examples) train at 0.8; the general rows at 0.2 of the mix, exactly: 2 (4)
+    assert stats["sources"]["p"]["used"] == 8 * unit and stats["sources"]["general"]["used"] == 2 * unit
+    assert stats["sources"]["general"]["share_target"] == 0.2 and stats["sft_rows"] == 2 * unit
+    assert stats["sources"]["general"]["usable"] == 10 and len(bundle.eval_rows["general"]) == 2
+    train = bundle.train
+    assert len(train) == stats["train_examples"] == 10 * unit
+    sft = [row for row in train if is_sft_row(row)]
+    assert len(sft) == 2 * unit and all(row["source"] == "general" and not row["prompt_ids"] for row in sft)
+    assert all(-100 in row["labels"] and len(row["labels"]) == len(row["input_ids"]) for row in sft)
+    pref = [row for row in train if not is_sft_row(row)]
+    assert all(row["source"] == "p" and row["prompt_ids"] and not row["input_ids"] for row in pref)
+    assert bundle.sample["source"] == "p" and len(bundle.eval) == 2 * unit  # the eval loss: held-out pairs only
+    batch = PreferenceCollator(tokenizer.pad_token_id, False, objective == "kto")([pref[0], sft[0], pref[1]])
+    assert int(batch["pairs"]) == 2 and int(batch["sft_rows"]) == 1 and int(batch["n_seqs"]) == 4
+    assert batch["sft_input_ids"].tolist() == [sft[0]["input_ids"]] and batch["sft_labels"].tolist() == [sft[0]["labels"]]
+    only_sft = PreferenceCollator(tokenizer.pad_token_id, False, objective == "kto")([sft[0]])
+    assert int(only_sft["pairs"]) == 0 and "input_ids" not in only_sft
+
+
 @pytest.mark.parametrize("objective, fmt, weight, message", [
     ("sft", "pairs_alpaca", 1.0, "is a preference format: train on it with train.objective=dpo"),
-    ("dpo", "alpaca", 1.0, "is an SFT format, and train.objective=dpo trains on preference sources only"),
+    ("dpo", "alpaca", 1.0, "train.objective=dpo needs a preference source of weight > 0"),
     ("dpo", "kto", 1.0, "holds unpaired labelled answers: train.objective=dpo needs pairs"),
 ])
 def test_a_source_that_does_not_fit_the_objective_is_refused(tmp_path, objective, fmt, weight, message):

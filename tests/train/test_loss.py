@@ -285,3 +285,71 @@ def test_chunked_loss_equals_the_model_loss_on_the_embedded_model(tmp_path, embe
     for name in expected:
         worst = float((got[name] - expected[name]).abs().max())
         assert worst <= 3e-3 * float(expected[name].abs().max()), (name, worst)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qlora_keeps_the_embedding_16bit_with_peft_preparations_loss_and_gradients(tmp_path, tied):
+    """QLoRA under bf16 autocast (qwenft.model.lora.prepare_kbit): the embedding (and a tied lm_head) stays bf16
+    where peft's prepare_model_for_kbit_training makes it fp32, the residual stream is fp32 in both (the embedding's
+    output cast), and the loss and every LoRA gradient equal those of peft's preparation bit for bit: the fp32 table
+    peft makes holds the same bf16 values, and autocast projects onto the vocabulary in bf16 either way. Under fp32
+    precision the embedding is cast as peft casts it. end_training removes the cast."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from qwenft.data import DataBundle, DataCollator, encode_example
+    from qwenft.model import attach_lora, end_training, load_model
+    from qwenft.model.lora import EMBEDDING_CAST
+    from qwenft.train.trainer import autocast_dtype, make_trainer
+
+    config = compose_config("model=tiny-random", f"out_dir={tmp_path}", "lora.lora_dropout=0.0", "quant=nf4",
+                            "quant.compute_dtype=bfloat16", "train.precision=bf16",
+                            "train.gradient_checkpointing=false", f"model.tiny.tie_word_embeddings={str(tied).lower()}")
+    assert autocast_dtype(config, "cpu") == torch.bfloat16
+    runs = {}
+    for arm in ("peft", "qwenft"):
+        model, tokenizer = load_model(config, device="cpu")
+        assert getattr(model, "is_loaded_in_4bit", False)
+        torch.manual_seed(0)
+        if arm == "peft":
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            lcfg = config.lora
+            model = get_peft_model(model, PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=0.0,
+                                                         target_modules=list(lcfg.target_modules),
+                                                         task_type="CAUSAL_LM"))
+        else:
+            model = attach_lora(model, config.lora, gradient_checkpointing=False, autocast_dtype=torch.bfloat16)
+        for name, param in model.named_parameters():  # LoRA B starts at zero: make the adapter do something
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.05)
+        rows = [encode_example(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                               max_seq_len=128, train_on="assistant") for q, a in QUESTIONS[:3]]
+        batch = dict(DataCollator(tokenizer)([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]))
+        trainer = make_trainer(config, model, tokenizer, DataBundle(train=[], eval=None, eval_rows={}, stats={}),
+                               tmp_path / arm, "none")
+        base = model.get_base_model()
+        seen = {}
+        hook = base.model.layers[0].register_forward_pre_hook(lambda m, a: seen.update(dtype=a[0].dtype))
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, dict(batch))
+        loss.backward()
+        hook.remove()
+        runs[arm] = (loss.detach(), _lora_grads(model), base, seen["dtype"])
+    (peft_loss, peft_grads, peft_base, peft_stream), (loss, grads, base, stream) = runs["peft"], runs["qwenft"]
+    assert peft_base.model.embed_tokens.weight.dtype == torch.float32
+    assert base.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert base.lm_head.weight.dtype == torch.bfloat16 and peft_base.lm_head.weight.dtype == (
+        torch.float32 if tied else torch.bfloat16)  # peft's untied head goes back to bf16 in make_trainer
+    assert base.model.norm.weight.dtype == torch.float32  # norms fp32, as peft casts them
+    assert stream == peft_stream == torch.float32
+    assert torch.equal(loss, peft_loss)
+    assert grads.keys() == peft_grads.keys() and len(grads) > 0
+    assert all(torch.equal(grads[name], peft_grads[name]) for name in grads)
+    assert end_training(base) and EMBEDDING_CAST not in base.__dict__ and not end_training(base)
+    ids = torch.tensor([[1, 2, 3]])
+    assert base.model.embed_tokens(ids).dtype == torch.bfloat16  # the cast is gone: eval runs as `qwenft eval`
+
+    model, _ = load_model(config, device="cpu")
+    model = attach_lora(model, config.lora, gradient_checkpointing=False, autocast_dtype=None)  # fp32 precision
+    assert model.get_base_model().model.embed_tokens.weight.dtype == torch.float32
+    assert EMBEDDING_CAST not in model.get_base_model().__dict__

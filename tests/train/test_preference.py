@@ -161,6 +161,46 @@ def test_kto_batches_pair_each_prompt_with_the_previous_answer_for_the_kl_estima
     assert batch["seq_ids"][1].tolist() == [1, 1, 1, -1, -1]
 
 
+def test_sft_rows_in_a_batch_add_their_nll_weighted_as_pairs(tmp_path):
+    """A batch of 2 pairs and 1 SFT row (an SFT source mixed in by weight): loss = (2 * DPO + 1 * NLL) / 3, the NLL
+    being transformers' own mean token loss of the SFT row, logged as sft_nll; the tokens counted are both kinds'."""
+    from qwenft.data import DataBundle, encode_example
+    from qwenft.train.preference import make_preference_trainer
+
+    model, tokenizer = tiny_peft(lora_b=0.02)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(4))
+    config = compose_config("model=tiny-random", "quant=none", f"out_dir={tmp_path / 'run'}", "train.objective=dpo",
+                            "pref.beta=0.5", "lora.lora_dropout=0",
+                            f"data.sources=[{{name: pairs, path: '{pairs}', format: preference, weight: 1.0}}]")
+    trainer = make_preference_trainer(config, model, tokenizer, DataBundle(train=[], eval=None, eval_rows={}, stats={}),
+                                      tmp_path / "ckpt", "none")
+    sft = encode_example(tokenizer, [{"role": "user", "content": "Name a river."},
+                                     {"role": "assistant", "content": "The Nile, in Africa."}],
+                         max_seq_len=128, train_on="assistant")
+    sft_row = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "input_ids": sft["input_ids"],
+               "labels": sft["labels"]}
+    pair_feats = [{**f, "input_ids": [], "labels": []} for f in encoded_pairs(tokenizer, 2)]
+    model.train()
+    collate = trainer.data_collator
+    mixed = collate([pair_feats[0], sft_row, pair_feats[1]])
+    trainer._stored["train"].clear()
+    loss = trainer.compute_loss(model, mixed)
+    assert trainer._stored["train"]["sft_nll"] and trainer._stored["train"]["rewards/margins"]
+    with torch.no_grad():
+        dpo = trainer.compute_loss(model, collate(pair_feats))
+        ids = torch.tensor([sft["input_ids"]])
+        nll = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([sft["labels"]])).loss
+    # fp32 on a CPU: the chunked NLL vs transformers' logits loss differ by summation order only
+    torch.testing.assert_close(loss.detach(), (2 * dpo + nll) / 3, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(trainer._stored["train"]["sft_nll"][-1]), nll.float(), rtol=0, atol=1e-5)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora" in n)
+    pair_tokens = sum(2 * len(f["prompt_ids"]) + len(f["chosen_ids"]) + len(f["rejected_ids"]) for f in pair_feats)
+    assert trainer.batch_tokens(mixed) == pair_tokens + len(sft["input_ids"])
+    alone = trainer.compute_loss(model, collate([sft_row]))  # a batch drawn with SFT rows only: their NLL
+    torch.testing.assert_close(alone.detach(), nll.float(), rtol=0, atol=1e-5)
+
+
 def dpo_overrides(tmp_path, out_dir, *extra):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(24))
     return ["model=tiny-random", "quant=none", f"out_dir={out_dir}", "eval.after_train=false",
@@ -219,12 +259,21 @@ def test_a_second_stage_from_an_sft_adapter_trains_that_adapter_and_saves_it_alo
 def test_precomputed_reference_log_probs_train_the_same_adapter(tmp_path):
     """pref.precompute_ref=true computes the reference once before training: the steps must read those values (a
     branch that ignored them left TRL's loss at ln 2 = 0.6931 for good, trl #1962), so the adapter equals the one
-    trained with a reference forward in every step."""
+    trained with a reference forward in every step. An SFT source is mixed in (weight 0.25): its rows have no
+    reference, and their NLL is logged as sft_nll."""
+    from tests.conftest import write_rows
+
     each, once = tmp_path / "each", tmp_path / "once"
+    pairs, general = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(24)), write_rows(tmp_path / "general.jsonl", 12)
+    sources = (f"data.sources=[{{name: pairs, path: '{pairs}', format: preference, weight: 0.75, eval_rows: 4}}, "
+               f"{{name: general, path: '{general}', format: alpaca, weight: 0.25}}]")
     for run, flag in ((each, "false"), (once, "true")):
-        result = run_train(dpo_overrides(tmp_path, run, "train.max_steps=4", f"pref.precompute_ref={flag}"))
+        result = run_train(dpo_overrides(tmp_path, run, "train.max_steps=4", f"pref.precompute_ref={flag}", sources))
         assert result.returncode == 0, result.stderr[-3000:]
-    curve = json.loads((once / "metrics.json").read_text())["train"]["loss_curve"]
+    metrics = json.loads((once / "metrics.json").read_text())
+    assert metrics["data"]["sources"]["general"]["used"] == 7 and metrics["data"]["sft_rows"] == 7  # 20 : 6.67, rounded
+    curve = metrics["train"]["loss_curve"]
+    assert any("sft_nll" in point for point in curve)
     assert curve[-1]["loss"] < 0.69 and curve[-1]["rewards/margins"] > 0  # not stuck at ln 2
     a, b = adapter_weights(each), adapter_weights(once)
     for name in a:  # the same reference values (both computed in eval mode, fp32): summation-order noise only
