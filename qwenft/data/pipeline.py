@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from qwenft.config import Config, ConfigError, DataConfig
 from qwenft.data.checks import LISTED_SKIPS, eval_rows_for, eval_share_warning, skipped_lines
@@ -173,7 +173,7 @@ def _eval_only_bundle(held_out, eval_rows, per_source, dcfg: DataConfig, hits: i
                       train_row_ids={}, packing=packing)
 
 
-def build(config: Config, tokenizer) -> DataBundle:
+def build(config: Config, tokenizer, positions: Optional[Sequence[int]] = None) -> DataBundle:
     """Build the training and eval datasets of ``config.data``.
 
     Steps: read and validate every source (:func:`qwenft.data.read_source`), hold out ``eval_rows`` per source
@@ -185,6 +185,9 @@ def build(config: Config, tokenizer) -> DataBundle:
     Args:
         config: the validated config (``config.data``; ``model.attn_implementation`` for the packing).
         tokenizer: from :func:`qwenft.model.load_tokenizer`.
+        positions: each source's position in the user's ``data.sources``, for the messages that name it
+            (``data.sources.N``; default: its position in ``config.data.sources``; a preference run builds its SFT
+            sources apart, :mod:`qwenft.preference.pipeline`).
 
     Returns:
         A :class:`DataBundle`. ``stats`` holds ``sources`` (per source: rows read, skipped, eval (rows held out),
@@ -232,7 +235,8 @@ def build(config: Config, tokenizer) -> DataBundle:
     eval_rows: Dict[str, List[dict]] = {}
     systems: Dict[str, Dict[Optional[str], int]] = {}  # per source: system prompt -> rows trained with it
     hits = misses = 0
-    for index, src in enumerate(dcfg.sources):
+    for k, src in enumerate(dcfg.sources):
+        index = positions[k] if positions is not None else k
         data = load_source(src, index, dcfg, tokenizer, fingerprint)  # read + tokenized, or from the cache
         hits, misses = hits + data.hit, misses + (not data.hit)
         n, skipped = len(data.rows), data.n_skipped

@@ -21,7 +21,9 @@ SFT sources in the same run are built by the SFT path (:func:`qwenft.data.build`
 ``eval_rows`` (e.g. general answers held out for retention). One of weight > 0 is also trained on: each is built
 alone (its usable rows, once each) and mixed with the preference sources by weight, exactly as SFT sources mix;
 its rows carry ``input_ids`` / ``labels`` (the preference columns empty, a pair's ``input_ids`` / ``labels`` empty),
-and the trainer adds their NLL to the objective's loss (:mod:`qwenft.train.preference`).
+and the trainer adds their NLL to the objective's loss (:mod:`qwenft.train.preference`). Under KTO they are
+desirable examples instead (:func:`_desirable`), batched with the others (so every batch's KL estimate has its
+examples).
 """
 
 from __future__ import annotations
@@ -247,9 +249,10 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
         kept = [i for i in range(n) if i not in held_set]
         counts = {"path": src.path, "format": read.format, "rows_read": n + read.n_skipped,
                   "skipped": read.n_skipped, "eval": len(held), "truncated": 0, "dropped": 0, "weight": src.weight}
-        if held:  # an undesirable answer (KTO, label false) is no reference for the answers generated
+        if held:  # an undesirable answer (KTO, label false) is no reference for the answers generated; a held-out
+            # example that could not be encoded (skipped under on_bad_row=skip, or dropped as overlong) is not scored
             rows_out = [_eval_row(read.examples[i], loaded.encoded[i]) for i in held]
-            eval_rows[src.name] = [row for row in rows_out if row.get("label", True)]
+            eval_rows[src.name] = [row for row in rows_out if row.get("label", True) and row["prompt_ids"] is not None]
             held_items[src.name] = _usable(loaded, held, dcfg.on_bad_row, counts, f"{src.name} (held out)")
         if src.weight > 0:
             usable[src.name] = _usable(loaded, kept, dcfg.on_bad_row, counts, src.name)
@@ -261,8 +264,13 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
     available = {name: len(columns["prompt_ids"]) for name, columns in train_items.items()}  # KTO: a pair is two
     cache = {"hits": 0, "misses": 0}  # the SFT sources' builds
     sft_rows = _sft_training_rows(config, tokenizer, per_source, eval_rows, cache)
-    for name, rows in sft_rows.items():
-        weights[name], available[name] = per_source[name]["weight"], len(rows["input_ids"])
+    if unpaired:  # KTO: desirable examples among the others
+        train_items.update(sft_rows)
+        sft_rows = {}
+    for name in per_source:
+        if name not in weights:  # an SFT source trained on
+            weights[name] = per_source[name]["weight"]
+            available[name] = len(train_items[name]["prompt_ids"]) if unpaired else len(sft_rows[name]["input_ids"])
     counts_used = mix_counts(available, {n: weights[n] for n in available}) if available else {}
     picked = choose(available, counts_used, dcfg.seed) if available else None
     columns = UNPAIRED_COLUMNS if unpaired else PAIR_COLUMNS
@@ -311,7 +319,7 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
     }
     sft_eval = [s for s in dcfg.sources if not is_preference(s.format) and s.weight <= 0]
     bundle = DataBundle(train=train_ds, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample)
-    stats["sft_rows"] = sum(per_source[name].get("used", 0) for name in sft_rows)
+    stats["sft_rows"] = sum(per_source[name].get("used", 0) for name in sft_rows)  # KTO's are examples
     if sft_eval:  # SFT sources of weight 0: their held-out rows, evaluated beside the pairs
         other = _sft_build(config, tokenizer, sft_eval, cache)
         bundle.eval_rows.update(other.eval_rows)
@@ -331,8 +339,9 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
 
 
 def _sft_build(config: Config, tokenizer, sources: List[DataSource], cache: Dict[str, int]) -> DataBundle:
-    """The SFT build (:func:`qwenft.data.build`) of ``sources`` alone, in ``config``'s data settings; its cache
-    hits and misses added to ``cache``."""
+    """The SFT build (:func:`qwenft.data.build`) of ``sources`` (entries of ``config.data.sources``, named by their
+    positions there in its messages) alone, in ``config``'s data settings; its cache hits and misses added to
+    ``cache``."""
     from qwenft.data.pipeline import build
 
     sft_config = copy.copy(config)  # no Config.__post_init__: the objective's checks are not the SFT build's
@@ -340,7 +349,7 @@ def _sft_build(config: Config, tokenizer, sources: List[DataSource], cache: Dict
     level = log.level
     log.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # its summary line is part of the preference build's
     try:
-        bundle = build(sft_config, tokenizer)
+        bundle = build(sft_config, tokenizer, positions=[_position(config, src) for src in sources])
     finally:
         log.setLevel(level)
     cache["hits"] += bundle.stats["cache_hits"]
@@ -348,19 +357,42 @@ def _sft_build(config: Config, tokenizer, sources: List[DataSource], cache: Dict
     return bundle
 
 
+def _position(config: Config, src: DataSource) -> int:
+    return next(k for k, other in enumerate(config.data.sources) if other.name == src.name)
+
+
 def _sft_training_rows(config: Config, tokenizer, per_source: Dict[str, Dict[str, Any]],
                        eval_rows: Dict[str, List[dict]], cache: Dict[str, int]) -> Dict[str, Dict[str, list]]:
     """The SFT sources of weight > 0 of a preference run, each built alone (weight 1: every usable row once, its
     held-out rows into ``eval_rows``, its counts into ``per_source`` with its own weight): per source, its rows'
-    ``input_ids`` and ``labels`` columns, to be mixed with the pairs by weight."""
+    ``input_ids`` and ``labels`` columns, to be mixed with the pairs by weight; for ``train.objective=kto``, its
+    rows as desirable examples instead (:func:`_desirable`)."""
     out: Dict[str, Dict[str, list]] = {}
     for src in config.data.sources:
         if is_preference(src.format) or src.weight <= 0:
             continue
-        bundle = _sft_build(config, tokenizer, [dataclasses.replace(src, weight=1.0)], cache)
+        source = dataclasses.replace(src, weight=1.0)  # built alone: every usable row once
+        bundle = _sft_build(config, tokenizer, [source], cache)
         eval_rows.update(bundle.eval_rows)
         per_source[src.name] = {**bundle.stats["sources"][src.name], "weight": src.weight}
-        out[src.name] = {column: bundle.train[column] for column in SFT_COLUMNS}
+        columns = {column: bundle.train[column] for column in SFT_COLUMNS}
+        out[src.name] = _desirable(columns) if config.train.objective == "kto" else columns
+    return out
+
+
+def _desirable(columns: Dict[str, list]) -> Dict[str, list]:
+    """SFT rows as KTO's desirable examples: each row's last answer (its last run of supervised tokens) after the
+    conversation before it as the prompt, label true (the KTO paper's use of SFT data); an earlier answer of a
+    multi-turn row is then part of the prompt, and the unsupervised tokens after the last answer are left out."""
+    out: Dict[str, list] = {name: [] for name in UNPAIRED_COLUMNS}
+    for ids, labels in zip(columns["input_ids"], columns["labels"]):
+        end = max(k for k, t in enumerate(labels) if t != IGNORE_INDEX) + 1
+        start = end
+        while start > 0 and labels[start - 1] != IGNORE_INDEX:
+            start -= 1
+        out["prompt_ids"].append(list(ids[:start]))
+        out["completion_ids"].append(list(ids[start:end]))
+        out["label"].append(True)
     return out
 
 

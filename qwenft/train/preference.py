@@ -24,10 +24,10 @@ One step, for a batch of ``B`` pairs:
 KTO's batch is ``B`` prompt + answer sequences, then the same prompts with the answers rotated by one (answer
 ``i - 1`` after prompt ``i``: TRL's KL estimate's mismatched pairs), in one forward.
 
-SFT rows mixed into the run by weight (an SFT source with ``weight > 0``, :mod:`qwenft.preference.pipeline`) ride in
-the same batches: the collator lays them out apart (``sft_*``, right-padded), the policy runs one more forward over
+SFT rows mixed into a paired objective's run by weight (an SFT source with ``weight > 0``,
+:mod:`qwenft.preference.pipeline`; KTO takes them as desirable examples instead) ride in the same batches: the collator lays them out apart (``sft_*``, right-padded), the policy runs one more forward over
 them, and their NLL (nats per supervised token, as SFT's loss) joins the objective's loss with each row weighted as a
-pair: ``loss = (P * objective + S * nll) / (P + S)`` for a batch of ``P`` pairs (KTO: examples) and ``S`` SFT rows,
+pair: ``loss = (P * objective + S * nll) / (P + S)`` for a batch of ``P`` pairs and ``S`` SFT rows,
 logged as ``sft_nll``. No reference forward runs for them.
 """
 
@@ -372,7 +372,7 @@ def precompute_reference(model, dataset, collator: PreferenceCollator, batch_siz
     chosen: List[float] = []
     rejected: List[float] = []
     device = next(model.parameters()).device
-    with tqdm(total=len(dataset), desc="reference log-probs", unit="pair", leave=False) as bar:
+    with tqdm(total=len(dataset), desc="reference log-probs", unit="row", leave=False) as bar:
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             pairs = [k for k, row in enumerate(rows) if not is_sft_row(row)]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import compose_config, qwenft_in_process, write_jsonl, write_rows
+from tests.conftest import QUESTIONS, compose_config, qwenft_in_process, write_jsonl, write_rows
 from tests.train.test_preference import pair_rows
 
 
@@ -79,6 +79,18 @@ def test_a_bad_pair_is_named_by_file_row_and_field_or_skipped_and_counted(tmp_pa
     bundle = build_preference(config_for(tmp_path, sources, "data.on_bad_row=skip"), tokenizer)
     counts = bundle.stats["sources"]["p"]
     assert counts["rows_read"] == 8 and counts["skipped"] == 1 and counts["usable"] + counts["eval"] == 7
+    # a pair that cannot be tokenized (its prompt alone fills max_seq_len) among the held-out ones is skipped there
+    # too: never an eval row without token ids (found on HH-RLHF's test split with max_seq_len=320: the evaluation
+    # failed after the training)
+    rows = pair_rows(6)
+    for k in (1, 4):
+        rows[k]["instruction"] = "tell me more " * 200
+    path = write_jsonl(tmp_path / "q.jsonl", rows)
+    sources = [{"name": "q", "path": str(path), "format": "pairs_alpaca", "weight": 1.0, "eval_rows": 5}]
+    bundle = build_preference(config_for(tmp_path, sources, "data.on_bad_row=skip"), tokenizer)
+    held = bundle.eval_rows["q"]
+    assert 3 <= len(held) <= 4 and all(r["prompt_ids"] and r["input_ids"] for r in held)  # 5 held, 1 or 2 bad
+    assert len(held) == len(bundle.eval) and all(r["messages"][-1]["content"] for r in held)
 
 
 def test_kto_trains_on_labelled_answers_and_on_pairs_unpaired(tmp_path, tokenizer):
@@ -122,27 +134,53 @@ def test_an_sft_source_of_weight_above_0_is_mixed_with_the_pairs_by_weight(tmp_p
     general = write_rows(tmp_path / "g.jsonl", 12)
     sources = [{"name": "p", "path": str(pairs), "format": "pairs_alpaca", "weight": 0.8, "eval_rows": 2},
                {"name": "general", "path": str(general), "format": "alpaca", "weight": 0.2, "eval_rows": 2}]
-    extra = ("train.batch_size=2",) if objective == "kto" else ()
+    extra = ("train.batch_size=2", "pref.rpo_alpha=0") if objective == "kto" else ()
     bundle = build_preference(config_for(tmp_path, sources, *extra, objective=objective), tokenizer)
     stats = bundle.stats
     unit = 2 if objective == "kto" else 1  # KTO: a pair is two examples
-    # 8 pairs (16 KTO examples) train at 0.8; the general rows at 0.2 of the mix, exactly: 2 (4)
+    # 8 pairs (16 KTO examples) train at 0.8, the general rows at 0.2 of the mix, exactly: 2 (4)
     assert stats["sources"]["p"]["used"] == 8 * unit and stats["sources"]["general"]["used"] == 2 * unit
-    assert stats["sources"]["general"]["share_target"] == 0.2 and stats["sft_rows"] == 2 * unit
+    assert stats["sources"]["general"]["share_target"] == 0.2
     assert stats["sources"]["general"]["usable"] == 10 and len(bundle.eval_rows["general"]) == 2
     train = bundle.train
     assert len(train) == stats["train_examples"] == 10 * unit
+    general_rows = [row for row in train if row["source"] == "general"]
+    assert bundle.sample["source"] == "p" and len(bundle.eval) == 2 * unit  # the eval loss: held-out pairs only
+    if objective == "kto":  # desirable examples: the answer after its conversation, batched with the others
+        assert stats["sft_rows"] == 0 and "input_ids" not in train.column_names
+        texts = {q: a for q, a in QUESTIONS}
+        for row in general_rows:
+            assert row["label"] is True and row["completion_ids"][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+            answer = tokenizer.decode(row["completion_ids"][:-1])
+            question = tokenizer.decode(row["prompt_ids"]).split("<|im_start|>user\n")[1].split(" (")[0]
+            assert answer == texts[question]
+        return
+    assert stats["sft_rows"] == 2
     sft = [row for row in train if is_sft_row(row)]
-    assert len(sft) == 2 * unit and all(row["source"] == "general" and not row["prompt_ids"] for row in sft)
+    assert sft == general_rows and all(not row["prompt_ids"] for row in sft)
     assert all(-100 in row["labels"] and len(row["labels"]) == len(row["input_ids"]) for row in sft)
     pref = [row for row in train if not is_sft_row(row)]
     assert all(row["source"] == "p" and row["prompt_ids"] and not row["input_ids"] for row in pref)
-    assert bundle.sample["source"] == "p" and len(bundle.eval) == 2 * unit  # the eval loss: held-out pairs only
-    batch = PreferenceCollator(tokenizer.pad_token_id, False, objective == "kto")([pref[0], sft[0], pref[1]])
+    batch = PreferenceCollator(tokenizer.pad_token_id, False)([pref[0], sft[0], pref[1]])
     assert int(batch["pairs"]) == 2 and int(batch["sft_rows"]) == 1 and int(batch["n_seqs"]) == 4
     assert batch["sft_input_ids"].tolist() == [sft[0]["input_ids"]] and batch["sft_labels"].tolist() == [sft[0]["labels"]]
-    only_sft = PreferenceCollator(tokenizer.pad_token_id, False, objective == "kto")([sft[0]])
+    only_sft = PreferenceCollator(tokenizer.pad_token_id, False)([sft[0]])
     assert int(only_sft["pairs"]) == 0 and "input_ids" not in only_sft
+
+
+def test_a_mixed_sft_sources_messages_name_its_own_position(tmp_path, tokenizer):
+    """The SFT sources of a preference run are built apart from the pairs; their messages still say
+    data.sources.N for their place in the user's list (a new user was told data.sources.0: the pairs)."""
+    from qwenft.data.formats import DataError
+    from qwenft.preference.pipeline import build_preference
+
+    pairs = write_jsonl(tmp_path / "p.jsonl", pair_rows(6))
+    broken = write_jsonl(tmp_path / "g.jsonl", [{"instruction": "Name a river.", "answer": "The Nile."}] * 4)
+    sources = [{"name": "p", "path": str(pairs), "format": "pairs_alpaca", "weight": 0.8},
+               {"name": "general", "path": str(broken), "format": "alpaca", "weight": 0.2}]
+    with pytest.raises(DataError, match=r"data\.sources\.1\.columns") as raised:
+        build_preference(config_for(tmp_path, sources), tokenizer)
+    assert "data.sources.0" not in str(raised.value)
 
 
 @pytest.mark.parametrize("objective, fmt, weight, message", [
