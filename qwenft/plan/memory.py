@@ -6,10 +6,8 @@ applied to what qwenft actually runs: transformers' Qwen2 layers (modeling_qwen2
 (tuners/lora/layer.py, bnb.py) and the QLoRA preparation in ``qwenft.model.attach_lora``. Three facts of that
 stack drive most terms:
 
-- The k-bit preparation (``qwenft.model.lora.prepare_kbit``, peft's ``prepare_model_for_kbit_training`` but for the
-  embedding and lm_head) casts every parameter that is not 4-bit (norms, biases) to fp32, so under NF4 the residual
-  stream is fp32 and those weights take 4 bytes each; under 16-bit autocast the embedding and lm_head stay 16-bit
-  (the embedding's output cast to fp32), else they are fp32 too.
+- The k-bit preparation (``qwenft.model.lora.prepare_kbit``) casts the norms and biases to fp32, and the embedding
+  and lm_head too outside 16-bit autocast: under NF4 the residual stream is fp32 (the embedding's output cast).
 - peft keeps LoRA weights in fp32 (``autocast_adapter_dtype=True``) and casts a layer's input to that dtype
   before dropout; bitsandbytes' ``Linear4bit`` casts its output back to its input's dtype and its autograd
   function saves only the packed weight (bitsandbytes/autograd/_functions.py, ``MatMul4Bit``).
@@ -159,25 +157,20 @@ def weight_bytes(arch: Architecture, nf4: bool, double_quant: bool, dense_bytes:
             out[group] = dense_bytes * counts[group]
     for name in ("embeddings", "lm_head", "attention_bias", "norms"):
         out[name] = dense_bytes * counts[name]
-    if head_bytes is not None:
-        out["lm_head"] = head_bytes * counts["lm_head"]
-    if embed_bytes is not None:
-        out["embeddings"] = embed_bytes * counts["embeddings"]
+    for name, size in (("lm_head", head_bytes), ("embeddings", embed_bytes)):
+        out[name] = size * counts[name] if size is not None else out[name]
     out["total"] = sum(out.values())
     return out
 
 
 def embedding_kept_16bit(setup: "TrainSetup") -> bool:
-    """Whether QLoRA training keeps the embedding (and a tied lm_head) 16-bit: NF4 under 16-bit autocast, the
-    weights loaded in the 16-bit compute dtype (``qwenft.model.lora.prepare_kbit``)."""
+    """Whether QLoRA keeps the embedding 16-bit: NF4 under 16-bit autocast (``qwenft.model.lora.prepare_kbit``)."""
     return setup.nf4 and setup.amp and setup.compute_bytes == 2
 
 
 def head_bytes_training(arch: Architecture, setup: "TrainSetup") -> int:
-    """Bytes per lm_head weight during training: under autocast an untied lm_head is kept in the 16-bit autocast
-    dtype (``qwenft.train.trainer.make_trainer``: the projection runs in it anyway), and so is a tied one under
-    NF4 (:func:`embedding_kept_16bit`); else it has the other dense weights' dtype (fp32 after k-bit
-    preparation, ``model.dtype`` for a 16-bit base)."""
+    """Bytes per lm_head weight during training: 16-bit under autocast when untied (``make_trainer``) or kept so
+    with the embedding (:func:`embedding_kept_16bit`); else fp32 after k-bit preparation, ``model.dtype`` if 16-bit."""
     if (setup.amp and not arch.tie_word_embeddings) or embedding_kept_16bit(setup):
         return 2
     return 4 if setup.nf4 else setup.model_bytes

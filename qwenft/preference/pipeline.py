@@ -22,14 +22,12 @@ SFT sources in the same run are built by the SFT path (:func:`qwenft.data.build`
 alone (its usable rows, once each) and mixed with the preference sources by weight, exactly as SFT sources mix;
 its rows carry ``input_ids`` / ``labels`` (the preference columns empty, a pair's ``input_ids`` / ``labels`` empty),
 and the trainer adds their NLL to the objective's loss (:mod:`qwenft.train.preference`). Under KTO they are
-desirable examples instead (:func:`_desirable`), batched with the others (so every batch's KL estimate has its
-examples).
+desirable examples instead (:func:`qwenft.preference.sft_mix.desirable`), batched with the others (so every batch's
+KL estimate has its examples).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import hashlib
 import json
 import logging
@@ -51,13 +49,12 @@ from qwenft.data.template import IGNORE_INDEX
 from qwenft.preference.data import (EncodedPair, EncodedUnpaired, PreferenceRead, PreferenceSource, read_preference,
                                     tokenize_example)
 from qwenft.preference.formats import PreferencePair
+from qwenft.preference.sft_mix import SFT_COLUMNS, UNPAIRED_COLUMNS, sft_build, sft_training_rows
 
 log = logging.getLogger("qwenft.data")
 
 CACHE_VERSION = 1
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-UNPAIRED_COLUMNS = ("prompt_ids", "completion_ids", "label")
-SFT_COLUMNS = ("input_ids", "labels")  # an SFT row mixed in (its preference columns empty)
 
 
 @dataclass
@@ -263,7 +260,7 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
     train_items = {name: _columns(items, unpaired) for name, items in usable.items()}
     available = {name: len(columns["prompt_ids"]) for name, columns in train_items.items()}  # KTO: a pair is two
     cache = {"hits": 0, "misses": 0}  # the SFT sources' builds
-    sft_rows = _sft_training_rows(config, tokenizer, per_source, eval_rows, cache)
+    sft_rows = sft_training_rows(config, tokenizer, per_source, eval_rows, cache)
     if unpaired:  # KTO: desirable examples among the others
         train_items.update(sft_rows)
         sft_rows = {}
@@ -321,7 +318,7 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
     bundle = DataBundle(train=train_ds, eval=eval_ds, eval_rows=eval_rows, stats=stats, sample=sample)
     stats["sft_rows"] = sum(per_source[name].get("used", 0) for name in sft_rows)  # KTO's are examples
     if sft_eval:  # SFT sources of weight 0: their held-out rows, evaluated beside the pairs
-        other = _sft_build(config, tokenizer, sft_eval, cache)
+        other = sft_build(config, tokenizer, sft_eval, cache)
         bundle.eval_rows.update(other.eval_rows)
         stats["sources"].update(other.stats["sources"])
     stats["cache_hits"] += cache["hits"]
@@ -336,64 +333,6 @@ def build_preference(config: Config, tokenizer) -> DataBundle:
              stats["tokens"]["p50"], stats["tokens"]["p95"], stats["tokens"]["max"], stats["truncated"],
              stats["dropped"], stats["seconds"], stats["cache_hits"], stats["cache_misses"])
     return bundle
-
-
-def _sft_build(config: Config, tokenizer, sources: List[DataSource], cache: Dict[str, int]) -> DataBundle:
-    """The SFT build (:func:`qwenft.data.build`) of ``sources`` (entries of ``config.data.sources``, named by their
-    positions there in its messages) alone, in ``config``'s data settings; its cache hits and misses added to
-    ``cache``."""
-    from qwenft.data.pipeline import build
-
-    sft_config = copy.copy(config)  # no Config.__post_init__: the objective's checks are not the SFT build's
-    sft_config.data = dataclasses.replace(config.data, sources=sources)
-    level = log.level
-    log.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # its summary line is part of the preference build's
-    try:
-        bundle = build(sft_config, tokenizer, positions=[_position(config, src) for src in sources])
-    finally:
-        log.setLevel(level)
-    cache["hits"] += bundle.stats["cache_hits"]
-    cache["misses"] += bundle.stats["cache_misses"]
-    return bundle
-
-
-def _position(config: Config, src: DataSource) -> int:
-    return next(k for k, other in enumerate(config.data.sources) if other.name == src.name)
-
-
-def _sft_training_rows(config: Config, tokenizer, per_source: Dict[str, Dict[str, Any]],
-                       eval_rows: Dict[str, List[dict]], cache: Dict[str, int]) -> Dict[str, Dict[str, list]]:
-    """The SFT sources of weight > 0 of a preference run, each built alone (weight 1: every usable row once, its
-    held-out rows into ``eval_rows``, its counts into ``per_source`` with its own weight): per source, its rows'
-    ``input_ids`` and ``labels`` columns, to be mixed with the pairs by weight; for ``train.objective=kto``, its
-    rows as desirable examples instead (:func:`_desirable`)."""
-    out: Dict[str, Dict[str, list]] = {}
-    for src in config.data.sources:
-        if is_preference(src.format) or src.weight <= 0:
-            continue
-        source = dataclasses.replace(src, weight=1.0)  # built alone: every usable row once
-        bundle = _sft_build(config, tokenizer, [source], cache)
-        eval_rows.update(bundle.eval_rows)
-        per_source[src.name] = {**bundle.stats["sources"][src.name], "weight": src.weight}
-        columns = {column: bundle.train[column] for column in SFT_COLUMNS}
-        out[src.name] = _desirable(columns) if config.train.objective == "kto" else columns
-    return out
-
-
-def _desirable(columns: Dict[str, list]) -> Dict[str, list]:
-    """SFT rows as KTO's desirable examples: each row's last answer (its last run of supervised tokens) after the
-    conversation before it as the prompt, label true (the KTO paper's use of SFT data); an earlier answer of a
-    multi-turn row is then part of the prompt, and the unsupervised tokens after the last answer are left out."""
-    out: Dict[str, list] = {name: [] for name in UNPAIRED_COLUMNS}
-    for ids, labels in zip(columns["input_ids"], columns["labels"]):
-        end = max(k for k, t in enumerate(labels) if t != IGNORE_INDEX) + 1
-        start = end
-        while start > 0 and labels[start - 1] != IGNORE_INDEX:
-            start -= 1
-        out["prompt_ids"].append(list(ids[:start]))
-        out["completion_ids"].append(list(ids[start:end]))
-        out["label"].append(True)
-    return out
 
 
 def has_preference(config: Config) -> bool:

@@ -25,9 +25,10 @@ KTO's batch is ``B`` prompt + answer sequences, then the same prompts with the a
 ``i - 1`` after prompt ``i``: TRL's KL estimate's mismatched pairs), in one forward.
 
 SFT rows mixed into a paired objective's run by weight (an SFT source with ``weight > 0``,
-:mod:`qwenft.preference.pipeline`; KTO takes them as desirable examples instead) ride in the same batches: the collator lays them out apart (``sft_*``, right-padded), the policy runs one more forward over
-them, and their NLL (nats per supervised token, as SFT's loss) joins the objective's loss with each row weighted as a
-pair: ``loss = (P * objective + S * nll) / (P + S)`` for a batch of ``P`` pairs and ``S`` SFT rows,
+:mod:`qwenft.preference.pipeline`; KTO takes them as desirable examples instead) ride in the same batches: the
+collator lays them out apart (``sft_*``, right-padded, :mod:`qwenft.train.pref_collator`), the policy runs one more
+forward over them, and their NLL (nats per supervised token, as SFT's loss) joins the objective's loss with each row
+weighted as a pair: ``loss = (P * objective + S * nll) / (P + S)`` for a batch of ``P`` pairs and ``S`` SFT rows,
 logged as ``sft_nll``. No reference forward runs for them.
 """
 
@@ -36,13 +37,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from qwenft.config import Config, ConfigError
 from qwenft.data.template import IGNORE_INDEX
 from qwenft.kernels import chunk_tokens
+from qwenft.train.pref_collator import PreferenceCollator, is_sft_row  # noqa: F401 - the trainer's collator
 from qwenft.train.trainer import QwenftTrainer
 
 log = logging.getLogger("qwenft.train")
@@ -147,86 +149,6 @@ def sequence_logprobs(model, batch: Dict[str, torch.Tensor]):
     sums = torch.zeros(n, dtype=torch.float32, device=token_lp.device).index_add(0, owner, token_lp)
     lengths = torch.zeros(n, dtype=torch.int64, device=token_lp.device).index_add(0, owner, torch.ones_like(owner))
     return sums, lengths
-
-
-class PreferenceCollator:
-    """Preference rows -> one batch of ``2B`` sequences (module docstring).
-
-    Pairs (``prompt_ids``, ``chosen_ids``, ``rejected_ids``): prompt + chosen for every pair, then prompt + rejected.
-    KTO examples (``prompt_ids``, ``completion_ids``, ``label``): prompt + answer for every example, then prompt
-    ``i`` + answer ``i - 1`` (the KL estimate's mismatched pairs; a batch of one pairs its prompt with its own
-    answer); ``label`` ``[B]`` bool. Precomputed reference log-probs (``ref_chosen_logps`` / ``ref_rejected_logps``
-    columns) are passed through as ``[B]`` tensors.
-
-    Returns per batch: ``input_ids``, ``labels`` (-100 over prompts and padding), ``seq_ids`` (which sequence a token
-    belongs to, -1 for padding), ``n_seqs``, ``pairs`` (``B``), and ``attention_mask`` (padded, ``[2B, longest]``,
-    right padding) or ``position_ids`` (padding-free, ``[1, all tokens]``); none of these when the batch holds no
-    pair. SFT rows (non-empty ``input_ids`` / ``labels`` columns, :func:`is_sft_row`) are laid out apart, right-padded:
-    ``sft_input_ids``, ``sft_labels``, ``sft_attention_mask`` ``[S, longest]``; ``sft_rows`` (``S``, 0 without any).
-    """
-
-    def __init__(self, pad_token_id: int, padding_free: bool, unpaired: bool = False) -> None:
-        self.pad, self.padding_free, self.unpaired = pad_token_id, padding_free, unpaired
-
-    def sequences(self, features: Sequence[Dict[str, Any]]) -> List[tuple]:
-        """``(input_ids, labels)`` of every preference sequence, in batch order (SFT rows left out)."""
-        features = [f for f in features if not is_sft_row(f)]
-        out = []
-        if self.unpaired:
-            answers = [f["completion_ids"] for f in features]
-            mismatched = answers[-1:] + answers[:-1]
-            parts = [(f["prompt_ids"], a) for f, a in zip(features, answers)] + \
-                [(f["prompt_ids"], a) for f, a in zip(features, mismatched)]
-        else:
-            parts = [(f["prompt_ids"], f["chosen_ids"]) for f in features] + \
-                [(f["prompt_ids"], f["rejected_ids"]) for f in features]
-        for prompt, answer in parts:
-            out.append((list(prompt) + list(answer), [IGNORE_INDEX] * len(prompt) + list(answer)))
-        return out
-
-    def __call__(self, features: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-        sft = [f for f in features if is_sft_row(f)]
-        features = [f for f in features if not is_sft_row(f)]
-        batch: Dict[str, torch.Tensor] = {"sft_rows": torch.tensor(len(sft))}
-        if sft:
-            width = max(len(f["input_ids"]) for f in sft)
-            batch["sft_input_ids"] = torch.tensor([list(f["input_ids"]) + [self.pad] * (width - len(f["input_ids"]))
-                                                   for f in sft], dtype=torch.long)
-            batch["sft_labels"] = torch.tensor([list(f["labels"]) + [IGNORE_INDEX] * (width - len(f["labels"]))
-                                                for f in sft], dtype=torch.long)
-            batch["sft_attention_mask"] = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"]))
-                                                        for f in sft], dtype=torch.long)
-        batch["pairs"] = torch.tensor(len(features))
-        if not features:
-            return batch
-        seqs = self.sequences(features)
-        batch["n_seqs"] = torch.tensor(len(seqs))
-        if self.padding_free:
-            ids = [t for s, _ in seqs for t in s]
-            batch["input_ids"] = torch.tensor([ids], dtype=torch.long)
-            batch["labels"] = torch.tensor([[t for _, lab in seqs for t in lab]], dtype=torch.long)
-            batch["position_ids"] = torch.tensor([[p for s, _ in seqs for p in range(len(s))]], dtype=torch.long)
-            batch["seq_ids"] = torch.tensor([[k for k, (s, _) in enumerate(seqs) for _ in s]], dtype=torch.long)
-        else:
-            width = max(len(s) for s, _ in seqs)
-            pad = lambda values, fill: values + [fill] * (width - len(values))  # noqa: E731
-            batch["input_ids"] = torch.tensor([pad(s, self.pad) for s, _ in seqs], dtype=torch.long)
-            batch["labels"] = torch.tensor([pad(lab, IGNORE_INDEX) for _, lab in seqs], dtype=torch.long)
-            batch["attention_mask"] = torch.tensor([pad([1] * len(s), 0) for s, _ in seqs], dtype=torch.long)
-            batch["seq_ids"] = torch.tensor([pad([k] * len(s), -1) for k, (s, _) in enumerate(seqs)],
-                                            dtype=torch.long)
-        if self.unpaired:
-            batch["label"] = torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool)
-        for name in ("ref_chosen_logps", "ref_rejected_logps"):
-            if all(name in f for f in features):
-                batch[name] = torch.tensor([float(f[name]) for f in features], dtype=torch.float32)
-        return batch
-
-
-def is_sft_row(feature: Dict[str, Any]) -> bool:
-    """Whether a training row is an SFT row mixed into a preference run (its ``input_ids`` column filled; a pair's or
-    KTO example's is empty, :mod:`qwenft.preference.pipeline`)."""
-    return bool(feature.get("input_ids"))
 
 
 def padding_free_of(config: Config) -> bool:
