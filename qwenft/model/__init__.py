@@ -24,5 +24,5 @@ from qwenft.model.lora import attach_lora, end_training, load_adapter
 from qwenft.model.sources import MERGE_MARKER, embedded_model_dir, resolve_model_dir, tokenizer_dir
 
 __all__ = ["ADAPTER_META", "MERGE_MARKER", "attach_lora", "check_adapter_dir", "count_parameters",
-           "dequantize_for_inference", "embedded_model_dir", "end_training", "load_adapter", "load_model", "load_tokenizer",
-           "read_adapter_meta", "resolve_model_dir", "save_adapter_meta", "tokenizer_dir"]
+           "dequantize_for_inference", "embedded_model_dir", "end_training", "load_adapter", "load_model",
+           "load_tokenizer", "read_adapter_meta", "resolve_model_dir", "save_adapter_meta", "tokenizer_dir"]

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
+from qwenft.data.collate import DataCollator
 from qwenft.data.template import IGNORE_INDEX
 
 
@@ -22,7 +23,8 @@ class PreferenceCollator:
     Returns per batch: ``input_ids``, ``labels`` (-100 over prompts and padding), ``seq_ids`` (which sequence a token
     belongs to, -1 for padding), ``n_seqs``, ``pairs`` (``B``), and ``attention_mask`` (padded, ``[2B, longest]``,
     right padding) or ``position_ids`` (padding-free, ``[1, all tokens]``); none of these when the batch holds no
-    pair. SFT rows (non-empty ``input_ids`` / ``labels`` columns, :func:`is_sft_row`) are laid out apart, right-padded:
+    pair. SFT rows (non-empty ``input_ids`` / ``labels`` columns, :func:`is_sft_row`) are laid out apart, right-padded
+    by SFT's :class:`qwenft.data.collate.DataCollator`:
     ``sft_input_ids``, ``sft_labels``, ``sft_attention_mask`` ``[S, longest]``; ``sft_rows`` (``S``, 0 without any).
     """
 
@@ -49,14 +51,9 @@ class PreferenceCollator:
         sft = [f for f in features if is_sft_row(f)]
         features = [f for f in features if not is_sft_row(f)]
         batch: Dict[str, torch.Tensor] = {"sft_rows": torch.tensor(len(sft))}
-        if sft:
-            width = max(len(f["input_ids"]) for f in sft)
-            batch["sft_input_ids"] = torch.tensor([list(f["input_ids"]) + [self.pad] * (width - len(f["input_ids"]))
-                                                   for f in sft], dtype=torch.long)
-            batch["sft_labels"] = torch.tensor([list(f["labels"]) + [IGNORE_INDEX] * (width - len(f["labels"]))
-                                                for f in sft], dtype=torch.long)
-            batch["sft_attention_mask"] = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"]))
-                                                        for f in sft], dtype=torch.long)
+        if sft:  # padded as SFT's batches are
+            rows = DataCollator(self.pad)([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in sft])
+            batch.update({f"sft_{name}": rows[name] for name in ("input_ids", "labels", "attention_mask")})
         batch["pairs"] = torch.tensor(len(features))
         if not features:
             return batch
