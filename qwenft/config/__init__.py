@@ -24,6 +24,7 @@ from qwenft.config.evaluate import EvalConfig
 from qwenft.config.export import MergeConfig
 from qwenft.config.generate import GenerateConfig
 from qwenft.config.inspect import InspectConfig
+from qwenft.config.judge import JudgeConfig
 from qwenft.config.load import escape_interpolations, omegaconf_message, to_config, unknown_key_message
 from qwenft.config.model import ROPE_TYPES, LoraConfig, ModelConfig, QuantConfig, RopeScalingConfig, TinyModelConfig
 from qwenft.config.plan import PlanConfig
@@ -33,7 +34,7 @@ from qwenft.config.train import TrainConfig, WandbConfig
 
 __all__ = ["ALL_TARGETS", "COMMANDS", "Config", "ConfigError", "DIST_STRATEGIES", "DataConfig", "DataSource",
            "DistConfig", "EvalConfig", "FORMAT_FIELDS", "GatesFailed", "GatesInconclusive", "GenerateConfig",
-           "InspectConfig", "LoraConfig",
+           "InspectConfig", "JudgeConfig", "LoraConfig",
            "MergeConfig", "ModelConfig", "PlanConfig", "QUANT_STORAGE", "QuantConfig", "QwenftError", "ROPE_TYPES",
            "RopeScalingConfig", "ServeConfig", "TinyModelConfig", "LOCAL_HOSTS", "is_local_host", "TrainConfig",
            "WandbConfig", "escape_interpolations", "omegaconf_message", "to_config", "unknown_key_message"]

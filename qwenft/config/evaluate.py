@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from qwenft.config.base import _check, _check_choice
 from qwenft.config.gates import check_gate_values
+from qwenft.config.judge import JudgeConfig
 
 
 # eval.bench_limit=auto by device kind: the n a 2-point retention gate needs on a GPU (docs/eval.md, "How many
@@ -67,6 +68,7 @@ class EvalConfig:
     fail_on_gate: bool = False
     fail_on_inconclusive: bool = False
     correct_threshold: float = 0.5
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # a pairwise judge of base vs tuned (eval.judge.url)
 
     def __post_init__(self) -> None:
         if isinstance(self.bench_limit, str) and self.bench_limit.isdigit():

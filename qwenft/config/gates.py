@@ -22,6 +22,8 @@ CONDITIONS = ("min", "min_delta", "max_drop")  # tuned >= min; delta > min_delta
 GATE_KEYS = ("metric", *CONDITIONS)
 # The built-in benchmarks' metric and lm-eval filter (lm-eval's task YAMLs: mmlu, ceval-valid, gsm8k); a gate's
 # metric on one of them must be the name the report uses: the metric, with ",FILTER" unless the filter is "none".
+# The judge's items (eval.judge.compare -> the item's name): the tuned side's win rate against base / the reference
+JUDGE_ITEMS = {"base": "judge", "reference": "judge_reference"}
 BUILTIN_BENCHMARKS = {"mmlu": ("acc", "none"), "ceval": ("acc", "none"), "gsm8k": ("exact_match", "strict-match")}
 
 
@@ -83,8 +85,13 @@ def target_names(targets: Optional[Sequence[str]], sources: Sequence[Any]) -> Li
     return held_out[:1]
 
 
+def judge_items(judge: Any) -> List[str]:
+    """The names of the judge's items this config evaluates (:data:`JUDGE_ITEMS`; none without a judge)."""
+    return [JUDGE_ITEMS[name] for name in judge.compare] if judge is not None and judge.enabled else []
+
+
 def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: Sequence[str],
-                     metrics: Sequence[str], targets: Optional[Sequence[str]] = None) -> None:
+                     metrics: Sequence[str], targets: Optional[Sequence[str]] = None, judge: Any = None) -> None:
     """Each gate and each of ``eval.targets`` names something this run evaluates; a source gate's metric is one of
     ``eval.metrics``.
 
@@ -93,6 +100,7 @@ def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: 
         benchmarks: ``eval.benchmarks``.
         metrics: ``eval.metrics``.
         targets: ``eval.targets`` (null: the first held-out source).
+        judge: ``eval.judge`` (its items, ``judge`` / ``judge_reference``, are gated by ``win_rate``).
 
     Raises:
         ConfigError: an unknown name, a source that holds out no generation rows, a name that is both a source and
@@ -109,12 +117,27 @@ def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: 
         if name in benchmarks:
             raise ConfigError(f"data.sources: '{name}' is both a data source and a benchmark (eval.benchmarks); "
                               "rename the source")
+    judged = judge_items(judge)
+    for name in by_name:
+        if name in JUDGE_ITEMS.values():
+            raise ConfigError(f"data.sources: '{name}' is the name of the judge's win rate (eval.gates.{name}); "
+                              "rename the source")
+    for i, name in enumerate(getattr(judge, "sources", None) or []):
+        _check(name in held_out, f"eval.judge.sources[{i}]", name,
+               f"the judge reads held-out sources: {', '.join(held_out) or 'none'}")
     for i, name in enumerate(targets or []):
-        _check(name in held_out or name in benchmarks, f"eval.targets[{i}]", name,
-               f"a target is a held-out source ({', '.join(held_out) or 'none'}) or a benchmark "
-               f"({', '.join(benchmarks) or 'none'})")
+        _check(name in held_out or name in benchmarks or name in judged, f"eval.targets[{i}]", name,
+               f"a target is a held-out source ({', '.join(held_out) or 'none'}), a benchmark "
+               f"({', '.join(benchmarks) or 'none'}) or the judge's win rate ({', '.join(judged) or 'no eval.judge'})")
     for name, gate in gates.items():
         if name in GROUPS:
+            continue
+        if name in JUDGE_ITEMS.values():
+            _check(name in judged, f"eval.gates.{name}", gate,
+                   "gates the judge's win rate: set eval.judge.url (or eval.judge.local)"
+                   + ("" if name == "judge" else " with reference in eval.judge.compare"))
+            _check(gate.get("metric") in (None, "win_rate"), f"eval.gates.{name}.metric", gate.get("metric"),
+                   "the judge reports win_rate (drop metric, or set it to that)")
             continue
         where = f"eval.gates.{name}"
         if name in by_name and name in benchmarks:

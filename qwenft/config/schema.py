@@ -65,7 +65,7 @@ class Config:
             ConfigError: naming the gate or target.
         """
         check_gate_names(self.eval.gates, self.data.sources, self.eval.benchmarks, self.eval.metrics,
-                         self.eval.targets)
+                         self.eval.targets, self.eval.judge)
 
     def __post_init__(self) -> None:
         _check_choice("command", self.command, COMMANDS)

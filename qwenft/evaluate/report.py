@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from qwenft.config import Config
 from qwenft.evaluate.preference import preference_lines
+from qwenft.evaluate.judge_text import judge_lines
 from qwenft.evaluate.flips import find_flips, flip_counts, flip_lines, write_flips
 from qwenft.evaluate.verdict import judge
 from qwenft.evaluate.verdict_text import benchmark_lines, verdict_lines
@@ -252,6 +253,7 @@ def render_report(config: Config, metrics: Dict[str, Any], rows: Dict[str, List[
     if "metrics" in plots:
         lines += [f"![metrics]({plots['metrics'].name})", ""]
     lines += preference_lines(ev.get("preference") or {}, ev["sources"])
+    lines += judge_lines(ev.get("judge"))
     lines += benchmark_lines(ev.get("benchmarks"), ev.get("benchmarks_skipped"))
     if ev["perplexity"]:
         both = any("ratio" in by_side for by_side in ev["perplexity"].values())
@@ -288,9 +290,9 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " …"
 
 
-def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict[str, Any]:
+def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any], log_wandb: bool = True) -> Dict[str, Any]:
     """Write metrics.json (merged with training's), generations.jsonl, benchmarks.jsonl, flips.jsonl, report.md and
-    PNGs into ``out_dir``. metrics.json's ``eval`` adds ``settings_from`` (:func:`settings_from`), ``benchmarks`` (when run),
+    PNGs into ``out_dir`` (``log_wandb``: log the tables to W&B too). metrics.json's ``eval`` adds ``judge`` (when judged), ``settings_from`` (:func:`settings_from`), ``benchmarks`` (when run),
     the verdict (``gates``, ``passed``, ``failed``, ``score``: :func:`qwenft.evaluate.verdict.judge`) and ``flips``
     (counts; both sides only).
 
@@ -310,6 +312,8 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
         metrics["eval"]["benchmarks"] = report["benchmarks"]
     if report.get("bench_skipped"):
         metrics["eval"]["benchmarks_skipped"] = report["bench_skipped"]
+    if report.get("judge"):
+        metrics["eval"]["judge"] = report["judge"]
     metrics["eval"].update(judge(config, report))
     both = any("tuned" in by for by in [*report["sources"].values(), *(report.get("benchmarks") or {}).values()])
     flips = find_flips(config, report) if both else None
@@ -329,7 +333,8 @@ def write_outputs(config: Config, out_dir: Path, report: Dict[str, Any]) -> Dict
     if _plot_metrics(report["sources"], config.eval.metrics, out_dir / "metrics.png"):
         plots["metrics"] = out_dir / "metrics.png"
     atomic_write_text(out_dir / "report.md", render_report(config, metrics, report["rows"], plots, flips))
-    _log_wandb(config, metrics, report)
+    if log_wandb:
+        _log_wandb(config, metrics, report)
     log.info("evaluation written to %s", out_dir / "report.md")
     return metrics
 

@@ -222,6 +222,9 @@ def evaluate(model, tokenizer, config: Config, bundle, sides: List[str], benchma
         for slot, row in zip(report["rows"][name], rows):
             slot.update({"source": name, "row": row.get("row"), "prompt": row["messages"][-2]["content"]
                          if len(row["messages"]) > 1 else "", "reference": row["messages"][-1]["content"]})
+            history = [m for m in row["messages"][:-2] if m["role"] != "system"]
+            if history:  # earlier turns of a multi-turn prompt (the judge reads them)
+                slot["history"] = history
             if row.get("rejected") is not None:
                 slot["rejected"] = row["rejected"]
     return report
@@ -242,7 +245,8 @@ def _weights_dtype(model) -> str:
 
 def check_settings(config: Config) -> list:
     """Refuse a bad evaluation setting before any model loads (``train`` checks it before training, ``eval`` before
-    it loads): the sampler preset, the perplexity sources, the benchmarks' names, files and rows.
+    it loads): the sampler preset, the perplexity sources, the benchmarks' names, files and rows, the judge
+    (:func:`qwenft.evaluate.judging.check_judge`: its rubric, preset or endpoint).
 
     Returns:
         The benchmarks' chosen questions (:func:`qwenft.evaluate.bench_tasks.prepare`), read once.
@@ -250,22 +254,31 @@ def check_settings(config: Config) -> list:
     Raises:
         ConfigError: see :func:`generate_preset`, :func:`check_ppl_sources` and
             :func:`qwenft.evaluate.bench_tasks.prepare`.
+        JudgeUnavailable: the judge endpoint is down or refuses the key or the model.
     """
     from qwenft.evaluate.bench_tasks import prepare as prepare_benchmarks
 
+    from qwenft.evaluate.judging import check_judge
+
     generate_preset(config)
     check_ppl_sources(config)
-    return prepare_benchmarks(config)
+    benchmarks = prepare_benchmarks(config)
+    check_judge(config)  # last: the other checks cost no request
+    return benchmarks
 
 
 def evaluate_and_report(config: Config, model, tokenizer, bundle, benchmarks=None,
                     sides=("base", "tuned")) -> Dict[str, Any]:
     """Evaluate ``sides`` (base: adapter off; tuned: adapter on) and write metrics.json, generations.jsonl and
-    report.md into ``config.out_dir``; the evaluation's peak memory (:func:`qwenft.memory.peak_memory`) goes into
+    report.md into ``config.out_dir``, then, with ``eval.judge`` and both sides, judge the answers
+    (:func:`qwenft.evaluate.judging.run_judge`), write judgments.jsonl and write the three again with the judge; the evaluation's peak memory (:func:`qwenft.memory.peak_memory`) goes into
     metrics.json's ``memory.eval``. Used after ``train`` and by ``qwenft eval``, so both measure the same phase.
 
     Returns:
         What metrics.json holds.
+
+    Raises:
+        JudgeUnavailable: the judge endpoint went down or refused the key (everything but the judge is written).
     """
     from qwenft.evaluate.report import write_outputs
     from qwenft.memory import peak_memory
@@ -273,4 +286,17 @@ def evaluate_and_report(config: Config, model, tokenizer, bundle, benchmarks=Non
     with peak_memory(str(next(model.parameters()).device)) as memory:
         report = evaluate(model, tokenizer, config, bundle, list(sides), benchmarks)
     report["memory"] = {"eval": memory}
+    judging = config.eval.judge.enabled and "tuned" in sides
+    metrics = write_outputs(config, Path(config.out_dir), report, log_wandb=not judging)
+    if not judging:
+        return metrics
+    # the judge comes last, with everything else already written: a judge that goes down loses nothing else
+    from qwenft.evaluate.judging import run_judge, write_judgments
+
+    try:
+        report["judge"], judgments = run_judge(config, report)
+    except Exception:
+        write_outputs(config, Path(config.out_dir), report)  # W&B gets the evaluation without the judge
+        raise
+    write_judgments(Path(config.out_dir) / "judgments.jsonl", judgments)
     return write_outputs(config, Path(config.out_dir), report)

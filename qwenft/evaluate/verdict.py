@@ -6,6 +6,9 @@ improve; null, the first held-out source) or ``retention`` (every other source a
 get worse). It is judged on its *primary metric*:
 
 - a benchmark: the metric it reports (``acc``, ``exact_match,strict-match``, ...), over its questions;
+- the judge's win rate (``judge``, ``judge_reference``: :mod:`qwenft.evaluate.judging`): wins + ties / 2 over
+  the judged prompts against 0.5, a side against itself; a judge that failed its sanity check leaves it
+  INCONCLUSIVE;
 - a source: its gate's ``metric``, else the first of ``eval.metrics`` that applies to at least ``eval.min_n`` of its
   rows (a metric applies to a row where it is defined: ``exact_match_number`` where the reference states a number,
   ``contains_fact`` where the row gives a fact), else the one that applies to the most rows. n counts the rows it
@@ -148,6 +151,15 @@ def items(config: Config, report: Dict[str, Any]) -> List[Dict[str, Any]]:
                       "tuned_ci95": None}
         out.append({"name": name, "kind": "benchmark", "role": TARGET if name in targets else RETENTION,
                     "metric": bench.get("metric"), **values, "has_tuned": has_tuned})
+    judged = report.get("judge") or {}
+    for comparison in (judged.get("comparisons") or {}).values():  # the judge's win rates (qwenft.evaluate.judging)
+        from qwenft.evaluate.judging import judge_item
+
+        item = judge_item(comparison["item"], comparison, judged.get("sanity"))
+        # tuned vs base is retention unless a target; tuned vs the reference (below 0.5 as a rule: the reference is
+        # the answer sought) has no role unless a target: only a gate of its own judges it
+        role = TARGET if item["name"] in targets else RETENTION if item["name"] == "judge" else None
+        out.append({**item, "role": role})
     return out
 
 
@@ -189,6 +201,8 @@ def _judge_item(item: Dict[str, Any], gate: Dict[str, Any], min_n: int) -> Dict[
         status, reason = NOT_JUDGED, "no tuned side"
     elif gate.get("metric") and item["kind"] == "benchmark" and gate["metric"] != item["metric"]:
         status, reason = FAIL, f"the benchmark reports {item['metric']}, not {gate['metric']}"
+    elif item.get("distrust"):  # a judge that failed its sanity check decides nothing
+        status, reason = INCONCLUSIVE, item["distrust"]
     elif not item["n"] or item["delta"] is None:  # no row to judge: more rows of the same kind would not help
         status, reason = INCONCLUSIVE, (f"no row has a value of {item['metric']}" if item["metric"]
                                         else "no metric of eval.metrics applies to any row")
@@ -259,7 +273,7 @@ def score(found: List[Dict[str, Any]]) -> Optional[float]:
     if not any(i["tuned"] is not None for i in found):
         return None
     tuned = [i["tuned"] for i in found if i["role"] == TARGET and i["tuned"] is not None]
-    drops = [min(0.0, i["delta"]) for i in found if i["role"] != TARGET and i["delta"] is not None]
+    drops = [min(0.0, i["delta"]) for i in found if i["role"] == RETENTION and i["delta"] is not None]
     return (sum(tuned) / len(tuned) if tuned else 0.0) + (sum(drops) / len(drops) if drops else 0.0)
 
 

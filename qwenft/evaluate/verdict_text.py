@@ -160,14 +160,31 @@ def summary_line(ev: Dict[str, Any]) -> str:
     if ev.get("inconclusive"):
         parts.append(f"undecided: {', '.join(ev['inconclusive'])}")
     verdict = ev.get("verdict") or NO_GATES
-    return f"verdict: {verdict}" + (f" ({'; '.join(parts)})" if parts else "")
+    line = f"verdict: {verdict}" + (f" ({'; '.join(parts)})" if parts else "")
+    judged = ev.get("judge") or {}
+    base = (judged.get("comparisons") or {}).get("base")
+    if base and base.get("win_rate") is not None:  # the judge's win rate beside it, with its sanity check
+        sanity = judged.get("sanity") or {}
+        trust = ("" if sanity.get("trusted") else "; judge NOT TRUSTED" if sanity.get("trusted") is False
+                 else "; judge sanity not checked")
+        line += (f"; judge win rate {base['win_rate']:.1%} [{base['ci95'][0]:.1%}, {base['ci95'][1]:.1%}] "
+                 f"(n = {base['n']}){trust}")
+    return line
 
 
 def log_wandb(wandb, ev: Dict[str, Any]) -> None:
     """Log the verdict to the live W&B run: :data:`SCORE_KEY` (also in the run summary, what a sweep reads),
-    ``eval/passed`` (1 when the verdict is PASS), ``eval/gates/NAME`` (1 pass, 0.5 inconclusive, 0 fail), and the
+    ``eval/passed`` (1 when the verdict is PASS), the judge's ``eval/judge/win_rate`` / ``position_bias`` /
+    ``sanity_accuracy`` (and ``eval/judge_reference/...``), ``eval/gates/NAME`` (1 pass, 0.5 inconclusive, 0 fail), and the
     tables ``eval/benchmarks`` and ``eval/gates``."""
     payload: Dict[str, Any] = {"eval/passed": int(bool(ev.get("passed")))}
+    judged = ev.get("judge") or {}
+    for kind, comparison in (judged.get("comparisons") or {}).items():  # eval/judge/win_rate, .../position_bias
+        for key in ("win_rate", "position_bias"):
+            if comparison.get(key) is not None:
+                payload[f"eval/{comparison['item']}/{key}"] = comparison[key]
+    if (judged.get("sanity") or {}).get("accuracy") is not None:
+        payload["eval/judge/sanity_accuracy"] = judged["sanity"]["accuracy"]
     if ev.get("score") is not None:
         payload[SCORE_KEY] = ev["score"]
     values = {PASS: 1.0, INCONCLUSIVE: 0.5, FAIL: 0.0}

@@ -26,9 +26,10 @@ from qwenft.config import Config, ConfigError, EvalConfig, GenerateConfig, Qwenf
 log = logging.getLogger(__name__)
 
 # Keys of the eval section a later eval does not take from the record: after_train only says whether `train`
-# evaluates at all. Every other key is restored, eval.batch_size too (with a sampling preset the batches decide
+# evaluates at all; judge names an endpoint a later eval should not contact unasked (type eval.judge.url again;
+# a recorded gate of the judge's win rate is dropped when this eval has no judge). Every other key is restored, eval.batch_size too (with a sampling preset the batches decide
 # which draws each row gets; `auto` is sized again for this machine).
-NOT_RESTORED = ("after_train",)
+NOT_RESTORED = ("after_train", "judge")
 PATH_KEYS = ("ppl_sources", "bench_data", "bench_tasks")  # local paths: recorded absolute when they exist
 TYPED_GROUPS = ("recipe", "eval")  # typed `+recipe=NAME` or `eval=NAME`: that config's eval section is used
 
@@ -175,6 +176,11 @@ def restore_eval(config: Config, meta: dict, source: Path, keys: Optional[Set[st
     values.update({k: current[k] for k in known if k not in values})  # not restored, or not recorded
     for path in _typed_paths(keys, "eval"):
         _overlay(values, current, path)
+    values["judge"] = config.eval.judge  # never restored (NOT_RESTORED): this command's, typed or not
+    if not config.eval.judge.enabled and isinstance(values.get("gates"), dict):
+        from qwenft.config.gates import JUDGE_ITEMS
+
+        values["gates"] = {k: v for k, v in values["gates"].items() if k not in JUDGE_ITEMS.values()}
     unknown = sorted(set(recorded) - known)
     if unknown:
         log.info("%s: eval settings this version does not know, ignored: %s", source, ", ".join(unknown))
