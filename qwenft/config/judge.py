@@ -39,7 +39,7 @@ class JudgeConfig:
     cache: bool = True  # reuse a reply judged before with the same judge, rubric, prompt and answers
     cache_dir: Optional[str] = None  # where the replies are kept (null: $QWENFT_CACHE/judge, ~/.cache/qwenft/judge)
     examples: int = 5  # prompts in report.md where the judge most clearly preferred each side
-    seed: int = 0  # the sanity set's rows and wrong answers, the interval's bootstrap
+    seed: int = 0  # which rows make the sanity set, and which wrong answer each meets
 
     @property
     def enabled(self) -> bool:

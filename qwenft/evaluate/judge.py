@@ -10,9 +10,10 @@ Protocol (after FastChat's MT-Bench pairwise judge and Arena-Hard's two games pe
 - the match is a win (or a loss) only when both games pick the same answer; a tie in either or games that disagree
   is a tie, and games that disagree count toward the position-bias rate; two identical answers are a tie without
   asking;
-- win rate = (wins + ties / 2) / judged matches, with a 95% interval over prompts
-  (:func:`qwenft.evaluate.intervals.mean_interval`: Wilson's when no match tied, else a bootstrap that resamples
-  prompts, not games).
+- win rate = (wins + ties / 2) / judged matches, with Wilson's 95% score interval over prompts (one prompt, one
+  trial, however many games; a tie half a success). A tie varies less than a coin flip, so with many ties the
+  interval is wider than it need be: conservative, and never of zero width, as a bootstrap over prompts is when
+  every prompt tied (Arena-Hard's bootstrap resamples games, which is narrower still).
 
 The sanity set asks whether the judge can be trusted: for ``eval.judge.sanity_n`` held-out prompts, the reference
 answer against another prompt's reference (same source where it has another). Its accuracy is the share of judged
@@ -33,6 +34,7 @@ import qwenft.evaluate.intervals as intervals
 VERDICTS = ("A", "B", "C")
 WIN, LOSS, TIE, UNPARSED, ERROR = "win", "loss", "tie", "unparsed", "error"
 SCORES = {WIN: 1.0, TIE: 0.5, LOSS: 0.0}
+WIN_RATE_INTERVAL = "Wilson score interval over prompts, a tie half a win"
 PLACEHOLDERS = ("question", "answer_a", "answer_b", "reference")
 NO_REFERENCE = "(no reference answer is given for this comparison)"
 
@@ -199,7 +201,7 @@ def settle(m: Dict[str, Any], replies: Sequence[Optional[Dict[str, Any]]]) -> Di
     return m
 
 
-def summarise(matches: Sequence[Dict[str, Any]], seed: int, lengths: Optional[Dict[str, List[float]]] = None
+def summarise(matches: Sequence[Dict[str, Any]], lengths: Optional[Dict[str, List[float]]] = None
               ) -> Dict[str, Any]:
     """Counts, win rate and its 95% interval, position-bias rate and the answers' lengths of one comparison.
 
@@ -233,8 +235,8 @@ def summarise(matches: Sequence[Dict[str, Any]], seed: int, lengths: Optional[Di
                            "position_bias": len(disagreed) / len(both_parsed) if both_parsed else None,
                            "disagreed": len(disagreed), "favoured_slot": slots}
     if scores:
-        (low, high), method = intervals.mean_interval(scores, seed)
-        out.update(win_rate=sum(scores) / len(scores), ci95=[low, high], ci_method=method)
+        low, high = intervals.wilson(sum(scores), len(scores))  # wins + ties / 2 successes of n prompts
+        out.update(win_rate=sum(scores) / len(scores), ci95=[low, high], ci_method=WIN_RATE_INTERVAL)
     if lengths:
         for side in ("x", "y"):
             values = lengths.get(side) or []

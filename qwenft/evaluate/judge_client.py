@@ -4,7 +4,7 @@
   a dropped connection, HTTP 408 / 409 / 429 / 5xx, honouring ``Retry-After``), ``eval.judge.concurrency`` requests
   in flight from a thread pool. The API key is read from ``$`` ``eval.judge.api_key_env`` when the client is made
   and kept in memory only. An endpoint that cannot be reached or refuses the key or the model
-  (HTTP 401 / 403 / 404) stops the judging with :class:`JudgeUnavailable` (one line, exit 2); a request that still
+  or the request (HTTP 400 / 401 / 403 / 404 / 413 / 422) stops the judging with :class:`JudgeUnavailable` (one line, exit 2); a request that still
   fails after its retries is recorded as an error for its match, which is counted, not dropped.
 - :class:`LocalJudge`: a conf/model preset loaded in this process (16-bit) and qwenft's own sampler, batched.
 - :class:`ReplyCache`: one JSON file per reply under ``$QWENFT_CACHE/judge``, keyed by the SHA-256 of (judge, prompt
@@ -26,7 +26,9 @@ from qwenft.config import Config, JudgeConfig, QwenftError
 
 log = logging.getLogger(__name__)
 
-FATAL_STATUS = (401, 403, 404)  # the endpoint refuses the key, the route or the model: asking again will not help
+# the endpoint refuses the key, the route, the model or the request itself (max_tokens above its cap, a prompt too
+# long): asking again, or asking the next prompt, will not help
+FATAL_STATUS = (400, 401, 403, 404, 413, 422)
 
 
 for _name in ("httpx", "httpx2", "openai"):  # a line per request at INFO would bury the progress bar
@@ -80,6 +82,16 @@ def cache_root(judge: JudgeConfig) -> Optional[Path]:
     return Path(judge.cache_dir).expanduser() if judge.cache_dir else cache_dir() / "judge"
 
 
+def _said(exc) -> str:
+    """The endpoint's own error message, one line of at most 200 characters."""
+    body = getattr(exc, "body", None)
+    message = body.get("message") if isinstance(body, dict) else None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        message = body["error"].get("message")
+    text = " ".join(str(message or getattr(exc, "message", "") or "no message").split())
+    return text[:200]
+
+
 class EndpointJudge:
     """An OpenAI-compatible ``/chat/completions`` endpoint as the judge."""
 
@@ -107,13 +119,16 @@ class EndpointJudge:
                     403: f"the API key was refused (read from ${self.judge.api_key_env})",
                     404: "no such route or model (a base URL usually ends in /v1; eval.judge.model)"}.get(
                         exc.status_code, "the endpoint failed")
+            if exc.status_code in (400, 413, 422):
+                hint = f"the request was refused: {_said(exc)} (eval.judge.max_tokens={self.judge.max_tokens})"
             return JudgeUnavailable(f"judge endpoint {self.url}: HTTP {exc.status_code}, {hint}")
         return JudgeUnavailable(f"judge endpoint {self.url}: no HTTP response ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0] if str(exc) else 'connection failed'})")
 
     def preflight(self) -> None:
         """Reach the endpoint before any judging (before training, in ``train``): resolve ``eval.judge.model`` when
-        null (the endpoint's only model, from ``/models``) and send one 1-token request.
+        null (the endpoint's only model, from ``/models``) and send one short request with the judging's
+        ``max_tokens`` (a server whose cap is lower refuses it now).
 
         Raises:
             JudgeUnavailable: no HTTP response, or an HTTP error status (after the retries of a 429 / 5xx).
@@ -128,8 +143,9 @@ class EndpointJudge:
                     raise JudgeUnavailable(f"judge endpoint {self.url} serves {len(names)} models "
                                            f"({', '.join(names) or 'none'}): name one with eval.judge.model=NAME")
                 self.model = names[0]
-            quick.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "Reply OK."}],
-                                          max_tokens=1, temperature=0.0)
+            # the judging's own max_tokens, so a server capping it refuses now, not after the evaluation
+            quick.chat.completions.create(model=self.model, max_tokens=self.judge.max_tokens, temperature=0.0,
+                                          messages=[{"role": "user", "content": "Reply with the one word OK."}])
         except (APIConnectionError, APIStatusError) as exc:
             raise self._unavailable(exc) from None
 
@@ -137,7 +153,8 @@ class EndpointJudge:
         """One reply: ``{"reply": text}``, or ``{"error": "..."}`` after the retries of a timeout, a 429 or a 5xx.
 
         Raises:
-            JudgeUnavailable: no HTTP response, or HTTP 401 / 403 / 404.
+            JudgeUnavailable: no HTTP response, or HTTP 400 / 401 / 403 / 404 / 413 / 422 (the request or the key
+                refused: the next prompt would be refused too).
         """
         from openai import APIConnectionError, APIStatusError, APITimeoutError
 

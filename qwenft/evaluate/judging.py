@@ -22,7 +22,8 @@ OPPONENT = {"base": "base", "reference": "reference"}  # eval.judge.compare -> w
 
 def check_judge(config: Config) -> None:
     """Refuse a judge that cannot work before any model loads (``train`` checks before training): the rubric file
-    is read, a local preset exists, an endpoint answers a 1-token request.
+    is read, a local preset exists, an endpoint answers a short request (:meth:`EndpointJudge.preflight`). Nothing
+    for ``eval`` without an adapter (no tuned side to judge: a warning).
 
     Raises:
         ConfigError: a bad rubric file or preset name.
@@ -30,6 +31,9 @@ def check_judge(config: Config) -> None:
     """
     judge = config.eval.judge
     if not judge.enabled:
+        return
+    if config.command == "eval" and not config.adapter:
+        log.warning("eval.judge is set but there is no adapter: the base alone has nothing to be judged against")
         return
     load_rubric(judge.rubric)
     if judge.local:
@@ -140,7 +144,7 @@ def run_judge(config: Config, report: Dict[str, Any], client=None) -> Tuple[Dict
         ms = matches[kind]
         lengths = {"x": [len(m["answers"][m["x"]]) for m in ms], "y": [len(m["answers"][m["y"]]) for m in ms]}
         comparisons[kind] = {"item": JUDGE_ITEMS[kind], "x": "tuned", "y": OPPONENT[kind],
-                             **summarise(ms, judge.seed, lengths)}
+                             **summarise(ms, lengths)}
         examples[kind] = clearest(ms, judge.examples)
     sanity = sanity_summary(matches["sanity"], judge.sanity_threshold) if matches["sanity"] else None
     summary = {"judge": client.describe(), "rubric": judge.rubric or "built-in",

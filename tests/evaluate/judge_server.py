@@ -119,8 +119,8 @@ class JudgeServer:
         return f"By the rule. [[{verdict}]]"
 
     def judged(self) -> List[str]:
-        """The prompts (user messages) of the chat requests received, 1-token preflights left out."""
-        return [r["messages"][-1]["content"] for r in self.requests if r.get("max_tokens") != 1]
+        """The prompts (user messages) of the chat requests received, the preflight left out."""
+        return [r["messages"][-1]["content"] for r in self.requests if "[Answer A]" in r["messages"][-1]["content"]]
 
     def __exit__(self, *exc) -> None:
         self.server.shutdown()

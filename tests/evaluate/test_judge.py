@@ -11,6 +11,7 @@ import pytest
 from qwenft.config import ConfigError
 from qwenft.evaluate.judge import (LOSS, TIE, UNPARSED, WIN, load_rubric, match, parse_verdict, render,
                                    sanity_matches, sanity_summary, settle, summarise)
+from qwenft.evaluate.intervals import wilson
 from qwenft.evaluate.judge_client import JudgeUnavailable
 from qwenft.evaluate.judging import run_judge
 from tests.conftest import compose_config
@@ -104,14 +105,14 @@ def test_identical_answers_are_a_tie_without_asking():
 def test_summary_counts_rate_and_position_bias():
     ms = [_settled("[[A]]", "[[B]]"), _settled("[[A]]", "[[B]]"), _settled("[[B]]", "[[A]]"),
           _settled("[[A]]", "[[A]]"), _settled("x", "[[A]]")]
-    s = summarise(ms, seed=0, lengths={"x": [10, 10, 10, 10, 10], "y": [5, 5, 20, 5, 5]})
+    s = summarise(ms, lengths={"x": [10, 10, 10, 10, 10], "y": [5, 5, 20, 5, 5]})
     assert (s["n"], s["wins"], s["losses"], s["ties"], s["unparsed"]) == (4, 2, 1, 1, 1)
     assert s["win_rate"] == pytest.approx((2 + 0.5) / 4)
     assert s["position_bias"] == pytest.approx(1 / 4) and s["favoured_slot"] == {"A": 2, "B": 0}
-    assert s["ci95"][0] < s["win_rate"] < s["ci95"][1] and "bootstrap" in s["ci_method"]
+    assert s["ci95"] == pytest.approx(list(wilson(2.5, 4)))  # Wilson's score interval, a tie half a success
     assert s["longer_won"] == pytest.approx(1.0)  # both wins had the longer answer, the loss the shorter one
-    no_ties = summarise(ms[:3], seed=0)
-    assert no_ties["ci_method"] == "Wilson score interval"
+    all_ties = summarise([_settled("[[C]]", "[[C]]")] * 4)
+    assert all_ties["win_rate"] == 0.5 and all_ties["ci95"][0] < 0.25 and all_ties["ci95"][1] > 0.75  # never [0.5, 0.5]
 
 
 def test_sanity_set_meets_another_prompts_reference_of_the_same_source():
@@ -147,7 +148,7 @@ def test_judge_counts_match_the_rule_and_every_game_is_kept(tmp_path):
     first = judgments[0]
     assert set(first["answers"]) == {"tuned", "base"} and len(first["games"]) == 2
     assert all(g["reply"].startswith("By the rule.") for g in first["games"])
-    # every distinct prompt asked once, the 1-token preflight besides
+    # every distinct prompt asked once, the preflight besides
     assert len(server.judged()) == len({p for p in server.judged()}) == 2 * (30 + 30 + 10)
 
 
@@ -230,11 +231,11 @@ def _asked(server, tmp_path, rows, *extra):
 def test_a_500_is_retried_and_a_lasting_one_is_counted_as_an_error(tmp_path):
     with JudgeServer(fail=2) as server:  # the first game fails twice, then passes on its second retry
         matches = _asked(server, tmp_path, slots(3), "eval.judge.retries=2", "eval.judge.concurrency=1")
-    assert len(server.requests) == 6 + 2 and summarise(matches["base"], 0)["n"] == 3
+    assert len(server.requests) == 6 + 2 and summarise(matches["base"])["n"] == 3
     with JudgeServer(fail=1000, fail_status=503) as server:
         matches = _asked(server, tmp_path / "b", slots(2), "eval.judge.retries=0")
     assert [m["verdict"] for m in matches["base"]] == ["error", "error"]
-    assert summarise(matches["base"], 0)["errors"] == 2 and summarise(matches["base"], 0)["n"] == 0
+    assert summarise(matches["base"])["errors"] == 2 and summarise(matches["base"])["n"] == 0
     assert "HTTP 503" in matches["base"][0]["games"][0]["error"]
 
 
@@ -292,6 +293,29 @@ def test_serve_on_tiny_random_is_a_working_endpoint(tmp_path):
         assert j["verdict"] == (UNPARSED if any(g["parsed"] is None for g in j["games"]) else j["verdict"])
     base = summary["comparisons"]["base"]
     assert base["n"] + base["unparsed"] + base["errors"] == 3
+
+
+def test_a_server_whose_cap_refuses_max_tokens_is_named_before_any_judging(tmp_path):
+    from tests.serve.conftest import LiveServer, served, with_serve
+
+    with LiveServer(with_serve(served(), max_tokens=16)) as live:
+        config = compose_config("model=tiny-random", f"eval.judge.url={live.url}/v1", "eval.judge.max_tokens=64",
+                                f"eval.judge.cache_dir={tmp_path}")
+        with pytest.raises(JudgeUnavailable) as caught:
+            run_judge(config, report_of(slots(2)))
+    message = str(caught.value)
+    assert "HTTP 400" in message and "eval.judge.max_tokens=64" in message and "\n" not in message
+
+
+def test_train_refuses_a_down_judge_before_training(tmp_path, capsys):
+    from tests.conftest import qwenft_in_process, train_overrides
+
+    out = tmp_path / "run"
+    args = [a for a in train_overrides(tmp_path, out) if not a.startswith("eval.after_train")]
+    result = qwenft_in_process(capsys, "train", *args, "eval.judge.url=http://127.0.0.1:9/v1",
+                               "eval.judge.model=x", "eval.judge.retries=0")
+    assert result.returncode == 2 and "judge endpoint http://127.0.0.1:9/v1: no HTTP response" in result.stderr
+    assert not (out / "adapter").exists() and not (out / "config.yaml").exists()  # nothing trained, nothing written
 
 
 def test_a_local_preset_judges_in_process(tmp_path):
