@@ -5,8 +5,8 @@ Protocol (after FastChat's MT-Bench pairwise judge and Arena-Hard's two games pe
 - every *match* (a prompt and two answers X and Y: tuned vs base, tuned vs the reference, or, in the sanity set, the
   reference vs another prompt's reference) is two *games*: X shown as answer A, then X shown as answer B;
 - each reply is parsed strictly (:func:`parse_verdict`): a JSON object ``{"verdict": "A" | "B" | "C"}`` or, else, the
-  last ``[[A]]`` / ``[[B]]`` / ``[[C]]`` in it (a judge states its verdict after its reasons); anything else is
-  *unparsed* and the match is recorded as unparsed, never guessed;
+  last line holding an ``[[A]]`` / ``[[B]]`` / ``[[C]]`` marker, naming one verdict only (a judge states its verdict
+  after its reasons); anything else is *unparsed* and the match is recorded as unparsed, never guessed;
 - the match is a win (or a loss) only when both games pick the same answer; a tie in either or games that disagree
   is a tie, and games that disagree count toward the position-bias rate; two identical answers are a tie without
   asking;
@@ -39,12 +39,7 @@ PLACEHOLDERS = ("question", "answer_a", "answer_b", "reference")
 NO_REFERENCE = "(no reference answer is given for this comparison)"
 
 RUBRIC_WITH_REFERENCE = """You are judging two AI assistants' answers to the same question. A reference answer is \
-given: treat it as correct, and prefer the answer that agrees with it. Weigh correctness first, then how well the \
-answer helps the user: relevance, completeness, clarity. Do not let the order of the answers, their length or their \
-style sway you.
-
-Give your reasons in a few sentences, then your verdict on the last line, exactly one of:
-[[A]] if answer A is better, [[B]] if answer B is better, [[C]] if they are equally good.
+given: treat it as correct, and prefer the answer that agrees with it.
 
 [Question]
 {question}
@@ -57,14 +52,14 @@ Give your reasons in a few sentences, then your verdict on the last line, exactl
 
 [Answer B]
 {answer_b}
+
+Which answer is better? Weigh correctness first, then how well the answer helps the user: relevance, \
+completeness, clarity. Do not let the order of the answers, their length or their style sway you. Give your reasons \
+in a few sentences. Then write your verdict alone on the last line: [[A]] if answer A is better, [[B]] if answer B \
+is better, [[C]] if they are equally good.
 """
 
-RUBRIC = """You are judging two AI assistants' answers to the same question. Weigh correctness first, then how well \
-the answer helps the user: relevance, completeness, clarity. Do not let the order of the answers, their length or \
-their style sway you.
-
-Give your reasons in a few sentences, then your verdict on the last line, exactly one of:
-[[A]] if answer A is better, [[B]] if answer B is better, [[C]] if they are equally good.
+RUBRIC = """You are judging two AI assistants' answers to the same question.
 
 [Question]
 {question}
@@ -74,6 +69,11 @@ Give your reasons in a few sentences, then your verdict on the last line, exactl
 
 [Answer B]
 {answer_b}
+
+Which answer is better? Weigh correctness first, then how well the answer helps the user: relevance, \
+completeness, clarity. Do not let the order of the answers, their length or their style sway you. Give your reasons \
+in a few sentences. Then write your verdict alone on the last line: [[A]] if answer A is better, [[B]] if answer B \
+is better, [[C]] if they are equally good.
 """
 
 _MARK = re.compile(r"\[\[([ABC])\]\]")
@@ -85,8 +85,10 @@ def parse_verdict(reply: Optional[str]) -> Optional[str]:
     """The verdict of one judge reply: ``"A"``, ``"B"``, ``"C"`` (a tie) or None (unparsed).
 
     A reply that is a JSON object (alone, or alone in a fenced block) is read by its ``verdict`` key ("A", "B",
-    "C", "[[A]]", ... or "tie"); one that is not JSON by its LAST ``[[A]]`` / ``[[B]]`` / ``[[C]]`` (FastChat took
-    the first "[[A]]" it found, a bias toward A, FastChat PR #3921). Nothing else is guessed.
+    "C", "[[A]]", ... or "tie"); one that is not JSON by the last line holding an ``[[A]]`` / ``[[B]]`` / ``[[C]]``
+    marker, which must name one verdict only (FastChat took the first "[[A]]" anywhere, a bias toward A, FastChat PR
+    #3921; a weak judge that repeats the rubric's "[[A]] if ..., [[B]] if ..., [[C]] if ..." gives no verdict, not
+    a tie). Nothing else is guessed.
     """
     if not reply:
         return None
@@ -104,8 +106,9 @@ def parse_verdict(reply: Optional[str]) -> Optional[str]:
                 return None
             value = value.strip().strip("[]").strip().upper()
             return "C" if value == "TIE" else value if value in VERDICTS else None
-    marks = _MARK.findall(text)
-    return marks[-1] if marks else None
+    lines = [line for line in text.splitlines() if _MARK.search(line)]
+    named = set(_MARK.findall(lines[-1])) if lines else set()
+    return named.pop() if len(named) == 1 else None
 
 
 def load_rubric(path: Optional[str]) -> Optional[str]:

@@ -3,7 +3,7 @@
 Rule: the question holds a tag ``#N``; the answer (A or B) holding the same tag wins, both or neither: a tie (so
 a right answer is one that names its question's tag, and another prompt's reference is wrong). Other behaviours, set on
 the server: ``mode`` ``"A"`` (always [[A]]: a judge with a position bias), ``"garbage"`` (no verdict), ``"json"``
-(a JSON verdict), ``"both"`` (names [[A]] in its reasons, its verdict last); ``fail`` the number of requests answered
+(a JSON verdict), ``"both"`` (names [[A]] and [[B]] in its reasons, its verdict on a later line); ``fail`` the number of requests answered
 HTTP ``fail_status`` before the rule takes over; ``sleep`` seconds before each answer; ``key`` the only API key
 accepted (401 otherwise); ``deny_after`` the number of chat requests answered before every later one is refused
 with HTTP 401 (an endpoint that goes away mid-run). Every request's body is kept in ``requests``.
@@ -115,7 +115,7 @@ class JudgeServer:
         if self.mode == "json":
             return json.dumps({"reason": "by the rule", "verdict": verdict})
         if self.mode == "both":
-            return f"One might say [[A]] or [[B]]; by the rule the verdict is [[{verdict}]]"
+            return f"One might say [[A]] or [[B]].\nBy the rule the verdict is:\n[[{verdict}]]\n"
         return f"By the rule. [[{verdict}]]"
 
     def judged(self) -> List[str]:

@@ -41,7 +41,10 @@ def config_for(server, tmp_path, *extra):
     ("Answer A is right. [[A]]", "A"),
     ("[[B]]", "B"),
     ("A tie. [[C]]", "C"),
-    ("Some would say [[A]]; but B is right: [[B]]", "B"),  # the last verdict, not the first (FastChat #3921)
+    ("Some would say [[A]].\nBut B is right:\n[[B]]\nThanks.", "B"),  # the last verdict line, not the first marker
+    ("[[A]] if answer A is better, [[B]] if answer B is better, [[C]] if they are equally good.", None),  # an echo
+    ("Between [[A]] and [[B]], [[B]]", None),  # one line naming two verdicts
+    ("[[B]] ... yes, [[B]]", "B"),
     ('{"reason": "x", "verdict": "A"}', "A"),
     ('```json\n{"verdict": "[[B]]"}\n```', "B"),
     ('{"verdict": "tie"}', "C"),
