@@ -310,6 +310,21 @@ def test_a_server_whose_cap_refuses_max_tokens_is_named_before_any_judging(tmp_p
     assert "HTTP 400" in message and "eval.judge.max_tokens=64" in message and "\n" not in message
 
 
+def test_train_judges_its_own_evaluation(tmp_path, capsys):
+    from tests.conftest import qwenft_in_process, train_overrides
+
+    out = tmp_path / "run"
+    args = [a for a in train_overrides(tmp_path, out) if not a.startswith(("eval.after_train", "train.max_steps"))]
+    with JudgeServer() as server:
+        result = qwenft_in_process(capsys, "train", *args, "train.max_steps=1", "eval.max_new_tokens=4",
+                                   f"eval.judge.url={server.url}", f"eval.judge.cache_dir={tmp_path / 'cache'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "judge win rate" in result.stdout  # the console's verdict line
+    judged = json.loads((out / "metrics.json").read_text())["eval"]["judge"]
+    assert judged["comparisons"]["base"]["n"] == 4 and (out / "judgments.jsonl").is_file()
+    assert "## Judge" in (out / "report.md").read_text() and (out / "adapter" / "adapter_config.json").is_file()
+
+
 def test_train_refuses_a_down_judge_before_training(tmp_path, capsys):
     from tests.conftest import qwenft_in_process, train_overrides
 
