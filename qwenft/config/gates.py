@@ -159,4 +159,4 @@ def check_gate_names(gates: Dict[str, Any], sources: Sequence[Any], benchmarks: 
         else:
             raise ConfigError(f"{where}: no held-out source or benchmark named '{name}'; held-out sources: "
                               f"{', '.join(held_out) or '(none)'}; benchmarks: {', '.join(benchmarks) or '(none)'}; "
-                              f"or {TARGET} / {RETENTION}")
+                              f"or {TARGET} / {RETENTION}; or {' / '.join(JUDGE_ITEMS.values())} with eval.judge")

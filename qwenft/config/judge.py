@@ -51,6 +51,11 @@ class JudgeConfig:
         if self.url is not None:
             _check(isinstance(self.url, str) and self.url.startswith(("http://", "https://")), "eval.judge.url",
                    self.url, "must be an http:// or https:// base URL, e.g. http://127.0.0.1:8000/v1")
+            from urllib.parse import urlsplit
+
+            _check(urlsplit(self.url).password is None and urlsplit(self.url).username is None, "eval.judge.url",
+                   "(hidden: it holds a user or password)", "a URL with credentials would be written to the run's "
+                   "config and report: give the key in the environment variable eval.judge.api_key_env names")
         _check(isinstance(self.api_key_env, str) and bool(self.api_key_env), "eval.judge.api_key_env",
                self.api_key_env, "must name an environment variable (the key itself is never written in a config)")
         _check(not self.api_key_env.startswith(("sk-", "Bearer")), "eval.judge.api_key_env", "(hidden)",

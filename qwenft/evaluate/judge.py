@@ -239,7 +239,8 @@ def summarise(matches: Sequence[Dict[str, Any]], lengths: Optional[Dict[str, Lis
                            "disagreed": len(disagreed), "favoured_slot": slots}
     if scores:
         low, high = intervals.wilson(sum(scores), len(scores))  # wins + ties / 2 successes of n prompts
-        out.update(win_rate=sum(scores) / len(scores), ci95=[low, high], ci_method=WIN_RATE_INTERVAL)
+        out.update(win_rate=sum(scores) / len(scores), ci95=[round(low, 9), round(high, 9)],
+                   ci_method=WIN_RATE_INTERVAL)
     if lengths:
         for side in ("x", "y"):
             values = lengths.get(side) or []
@@ -285,6 +286,6 @@ def sanity_summary(matches: Sequence[Dict[str, Any]], threshold: float) -> Dict[
                            "accuracy": None, "ci95": None, "trusted": None}
     if judged:
         accuracy = right / len(judged)
-        out.update(accuracy=accuracy, ci95=list(intervals.wilson(right, len(judged))),
+        out.update(accuracy=accuracy, ci95=[round(v, 9) for v in intervals.wilson(right, len(judged))],
                    trusted=accuracy >= threshold - 1e-9)
     return out

@@ -63,13 +63,39 @@ class ReplyCache:
             return None
 
     def put(self, key: str, reply: str) -> None:
+        """Keep one reply; a cache that cannot be written (disk full, permissions) is given up with one warning,
+        never at the cost of the judging."""
         if self.root is None:
             return
         from qwenft.files import atomic_write_text
 
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"reply": reply}, ensure_ascii=False))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({"reply": reply}, ensure_ascii=False))
+        except OSError as exc:
+            log.warning("the judge's reply cache %s cannot be written (%s): judging on without it", self.root, exc)
+            self.root = None
+
+
+def check_cache_dir(root: Optional[Path]) -> None:
+    """A usable cache directory (made when missing).
+
+    Raises:
+        ConfigError: naming ``eval.judge.cache_dir`` when it is a file or cannot be made or written.
+    """
+    if root is None:
+        return
+    from qwenft.config import ConfigError
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        usable = root.is_dir() and os.access(root, os.W_OK)
+    except OSError:
+        usable = False
+    if not usable:
+        raise ConfigError(f"eval.judge.cache_dir={str(root)!r}: not a directory qwenft can write (the judge's reply "
+                          "cache; eval.judge.cache=false runs without one)")
 
 
 def cache_root(judge: JudgeConfig) -> Optional[Path]:
@@ -115,37 +141,64 @@ class EndpointJudge:
         from openai import APIStatusError
 
         if isinstance(exc, APIStatusError):
-            hint = {401: f"the API key was refused (read from ${self.judge.api_key_env})",
-                    403: f"the API key was refused (read from ${self.judge.api_key_env})",
-                    404: "no such route or model (a base URL usually ends in /v1; eval.judge.model)"}.get(
-                        exc.status_code, "the endpoint failed")
-            if exc.status_code in (400, 413, 422):
+            status = exc.status_code
+            if status in (401, 403):
+                env = self.judge.api_key_env
+                hint = (f"the API key was refused (read from ${env})" if os.environ.get(env) else
+                        f"the endpoint wants an API key and ${env} is not set (eval.judge.api_key_env names it)")
+            elif status == 404:
+                hint = (f"no such route or model {self.model!r} (a base URL usually ends in /v1; "
+                        f"{self._models_served()})")
+            elif status in (400, 413, 422):
                 hint = f"the request was refused: {_said(exc)} (eval.judge.max_tokens={self.judge.max_tokens})"
-            return JudgeUnavailable(f"judge endpoint {self.url}: HTTP {exc.status_code}, {hint}")
-        return JudgeUnavailable(f"judge endpoint {self.url}: no HTTP response ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0] if str(exc) else 'connection failed'})")
+            else:
+                hint = f"the endpoint failed: {_said(exc)}"
+            return JudgeUnavailable(f"judge endpoint {self.url}: HTTP {status}, {hint}")
+        reason = str(exc).splitlines()[0] if str(exc) else "connection failed"
+        tls = " (an https:// URL for an http:// server?)" if self.url.startswith("https://") else ""
+        return JudgeUnavailable(f"judge endpoint {self.url}: no HTTP response ({type(exc).__name__}: {reason}){tls}")
+
+    def _models_served(self) -> str:
+        """``models served: a, b`` from ``/models``, or what could not be learned."""
+        try:
+            names = [m.id for m in self.client.with_options(max_retries=0, timeout=10.0).models.list().data]
+        except Exception:  # the hint only: the error being reported is the 404
+            return "the endpoint does not list its models"
+        return f"models served: {', '.join(names) or 'none'}"
+
+    def resolve(self) -> None:
+        """``eval.judge.model`` when null: the endpoint's only model, from ``/models``.
+
+        Raises:
+            JudgeUnavailable: no HTTP response, an HTTP error status, or not exactly one model served.
+        """
+        from openai import APIConnectionError, APIStatusError
+
+        if self.model is not None:
+            return
+        try:
+            names = [m.id for m in self.client.models.list().data]
+        except (APIConnectionError, APIStatusError) as exc:
+            raise self._unavailable(exc) from None
+        if len(names) != 1:
+            raise JudgeUnavailable(f"judge endpoint {self.url} serves {len(names)} models "
+                                   f"({', '.join(names) or 'none'}): name one with eval.judge.model=NAME")
+        self.model = names[0]
 
     def preflight(self) -> None:
-        """Reach the endpoint before any judging (before training, in ``train``): resolve ``eval.judge.model`` when
-        null (the endpoint's only model, from ``/models``) and send one short request with the judging's
-        ``max_tokens`` (a server whose cap is lower refuses it now).
+        """Reach the endpoint before any model loads (before training, in ``train``): :meth:`resolve`, then one
+        short request with the judging's ``max_tokens`` (a server whose cap is lower refuses it now, not after the
+        evaluation), with the configured timeout and retries (a busy endpoint is not a down one).
 
         Raises:
             JudgeUnavailable: no HTTP response, or an HTTP error status (after the retries of a 429 / 5xx).
         """
         from openai import APIConnectionError, APIStatusError
 
-        quick = self.client  # the configured timeout and retries: a busy endpoint is not a down one
+        self.resolve()
         try:
-            if self.model is None:
-                names = [m.id for m in quick.models.list().data]
-                if len(names) != 1:
-                    raise JudgeUnavailable(f"judge endpoint {self.url} serves {len(names)} models "
-                                           f"({', '.join(names) or 'none'}): name one with eval.judge.model=NAME")
-                self.model = names[0]
-            # the judging's own max_tokens, so a server capping it refuses now, not after the evaluation
-            quick.chat.completions.create(model=self.model, max_tokens=self.judge.max_tokens, temperature=0.0,
-                                          messages=[{"role": "user", "content": "Reply with the one word OK."}])
+            self.client.chat.completions.create(model=self.model, max_tokens=self.judge.max_tokens, temperature=0.0,
+                                                messages=[{"role": "user", "content": "Reply with the one word OK."}])
         except (APIConnectionError, APIStatusError) as exc:
             raise self._unavailable(exc) from None
 
@@ -232,6 +285,9 @@ class LocalJudge:
 
     def preflight(self) -> None:
         """Nothing to reach: the model is loaded."""
+
+    def resolve(self) -> None:
+        """Nothing to resolve: the preset names the model."""
 
     def complete_all(self, prompts: Sequence[str], desc: str, on_result: Callable[[int, Dict[str, str]], None]
                      ) -> List[Dict[str, str]]:

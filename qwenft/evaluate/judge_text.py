@@ -28,12 +28,18 @@ def sanity_line(sanity: Optional[Dict[str, Any]]) -> str:
         return ("- judge sanity: not checked (eval.judge.sanity_n=0, or fewer than two distinct references): "
                 "nothing says this judge can tell a right answer from a wrong one")
     if sanity.get("accuracy") is None:
-        return f"- judge sanity: no match judged ({sanity['errors']} requests failed): **not checked**"
+        return (f"- judge sanity: **not checked**: the requests of all {sanity['asked']} {_prompts(sanity['asked'])} "
+                "failed, so its win rates decide no gate")
     verdict = ("trusted" if sanity["trusted"] else
                f"**NOT TO BE TRUSTED** (below {sanity['threshold']:.0%}): its win rates decide no gate")
-    return (f"- judge sanity: {_pct(sanity['accuracy'])}{_interval(sanity.get('ci95'))} of {sanity['n']} prompts "
-            f"picked their own reference over another prompt's in both orders ({sanity['unparsed']} unparsed "
-            f"counted wrong); {verdict}")
+    failed = f", {sanity['errors']} left out (their requests failed)" if sanity.get("errors") else ""
+    return (f"- judge sanity: {_pct(sanity['accuracy'])}{_interval(sanity.get('ci95'))} of {sanity['n']} "
+            f"{_prompts(sanity['n'])}: the reference picked over another prompt's reference in both orders "
+            f"({sanity['unparsed']} unparsed, counted wrong{failed}); {verdict}")
+
+
+def _prompts(n: int) -> str:
+    return "prompt" if n == 1 else "prompts"
 
 
 def judge_lines(judged: Optional[Dict[str, Any]]) -> List[str]:
@@ -42,6 +48,10 @@ def judge_lines(judged: Optional[Dict[str, Any]]) -> List[str]:
     Empty without a judge."""
     if not judged:
         return []
+    if judged.get("failed"):  # the judge went away: the rest of the evaluation stands
+        return ["## Judge (pairwise, both orders)", "", f"**Not completed**: {judged['failed']}. Every number above "
+                "stands; a re-run asks the judge only for what it did not answer (the replies received are cached).",
+                ""]
     lines = ["## Judge (pairwise, both orders)", "",
              f"- judge: {judged['judge']}; rubric: {judged['rubric']}"
              + ("; the reference answer shown to it" if judged.get("reference_shown") else ""),
@@ -56,13 +66,22 @@ def judge_lines(judged: Optional[Dict[str, Any]]) -> List[str]:
         lines.append(f"| {LABELS.get(kind, kind)} (`{c['item']}`) | {c['n']} | {c['wins']} | {c['ties']} | "
                      f"{c['losses']} | {_pct(c['win_rate'])}{_interval(c['ci95'])} | {_pct(c['position_bias'])} | "
                      f"{c['unparsed']} | {c['errors']} | {lengths} |")
-    lines += ["", "Win rate = (wins + ties / 2) / n; a win or a loss needs both orders to agree. Position bias: "
-              "the share of prompts whose two orders disagreed. Judges favour longer answers: the lengths are "
-              "beside the rate"]
+    lines += ["", "Win rate = (wins + ties / 2) / n, with Wilson's interval over prompts; a win or a loss needs "
+              "both orders to agree. Position bias: the share of prompts whose two orders disagreed. Unparsed "
+              "replies and failed requests are outside n. Judges favour longer answers: the lengths are beside "
+              "the rate.", ""]
     for kind, c in judged["comparisons"].items():
+        notes = []
+        if c.get("disagreed"):
+            slot = c.get("favoured_slot") or {}
+            notes.append(f"the {c['disagreed']} disagreeing {_prompts(c['disagreed'])}' games favoured slot A "
+                         f"{slot.get('A', 0)} times, slot B {slot.get('B', 0)} times")
+        if c.get("identical"):
+            notes.append(f"{c['identical']} {_prompts(c['identical'])} had identical answers: ties, not sent")
         if c.get("longer_won") is not None:
-            lines[-1] += f"; {LABELS.get(kind, kind)}: the longer answer took {_pct(c['longer_won'])} of decided prompts"
-    lines[-1] += "."
+            notes.append(f"the longer answer took {_pct(c['longer_won'])} of the wins and losses")
+        if notes:
+            lines.append(f"- {LABELS.get(kind, kind)}: " + "; ".join(notes))
     lines.append("")
     for kind, by_verdict in (judged.get("examples") or {}).items():
         for verdict, title in ((WIN, "tuned preferred"), (LOSS, "other preferred")):

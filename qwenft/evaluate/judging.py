@@ -13,7 +13,8 @@ from qwenft.config import Config
 from qwenft.config.gates import JUDGE_ITEMS
 from qwenft.evaluate.judge import (LOSS, WIN, load_rubric, match, sanity_matches, sanity_summary, settle,
                                    summarise)
-from qwenft.evaluate.judge_client import EndpointJudge, ReplyCache, cache_root, make_judge, preset_model
+from qwenft.evaluate.judge_client import (EndpointJudge, JudgeUnavailable, ReplyCache, cache_root, check_cache_dir,
+                                          make_judge, preset_model)
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +23,12 @@ OPPONENT = {"base": "base", "reference": "reference"}  # eval.judge.compare -> w
 
 def check_judge(config: Config) -> None:
     """Refuse a judge that cannot work before any model loads (``train`` checks before training): the rubric file
-    is read, a local preset exists, an endpoint answers a short request (:meth:`EndpointJudge.preflight`). Nothing
-    for ``eval`` without an adapter (no tuned side to judge: a warning).
+    is read, the cache directory is usable, a local preset exists, an endpoint answers a short request
+    (:meth:`EndpointJudge.preflight`: the one request before judging). Nothing for ``eval`` without an adapter
+    (no tuned side to judge: a warning).
 
     Raises:
-        ConfigError: a bad rubric file or preset name.
+        ConfigError: a bad rubric file, cache directory or preset name.
         JudgeUnavailable: the endpoint is down or refuses the key or the model (one line, exit 2).
     """
     judge = config.eval.judge
@@ -36,6 +38,7 @@ def check_judge(config: Config) -> None:
         log.warning("eval.judge is set but there is no adapter: the base alone has nothing to be judged against")
         return
     load_rubric(judge.rubric)
+    check_cache_dir(cache_root(judge))
     if judge.local:
         preset_model(judge.local)
     else:
@@ -78,8 +81,8 @@ def ask(client, config: Config, matches: Dict[str, List[Dict[str, Any]]]) -> Dic
         ``{"games", "asked", "cached"}``: games needing a reply, prompts sent, replies the cache held.
 
     Raises:
-        JudgeUnavailable: see :class:`qwenft.evaluate.judge_client.EndpointJudge` (replies received so far are
-            cached).
+        JudgeUnavailable: see :class:`qwenft.evaluate.judge_client.EndpointJudge`, or every request asked failed
+            after its retries (replies received so far are cached).
     """
     judge = config.eval.judge
     cache = ReplyCache(cache_root(judge))
@@ -106,7 +109,14 @@ def ask(client, config: Config, matches: Dict[str, List[Dict[str, Any]]]) -> Dic
 
     log.info("judge %s: %d games, %d cached, %d to ask", client.describe(), games, games - len(keys), len(keys))
     if keys:
-        client.complete_all([pending[k] for k in keys], "judge", keep)
+        results = client.complete_all([pending[k] for k in keys], "judge", keep)
+        failed = [r["error"] for r in results if "error" in r]
+        if failed and len(failed) == len(results):  # nothing answered: as good as down
+            raise JudgeUnavailable(f"judge endpoint {getattr(client, 'url', client.describe())}: all {len(failed)} "
+                                   f"requests failed after their retries (first: {failed[0]})")
+        if failed:
+            log.warning("judge: %d of %d requests failed after their retries (first: %s); their prompts are counted "
+                        "as errors, outside n; a re-run asks only for them", len(failed), len(results), failed[0])
     for m in (m for ms in matches.values() for m in ms):
         settle(m, [None, None] if _identical(m) else [replies[g["key"]] for g in m["games"]])
     return {"games": games, "asked": len(keys), "cached": games - len(keys)}
@@ -121,7 +131,7 @@ def run_judge(config: Config, report: Dict[str, Any], client=None) -> Tuple[Dict
     """Judge the tuned answers of ``report`` (what :func:`qwenft.evaluate.run.evaluate` returns, both sides).
 
     Args:
-        client: the judge (default: :func:`qwenft.evaluate.judge_client.make_judge`, contacted first).
+        client: the judge (default: :func:`qwenft.evaluate.judge_client.make_judge`).
 
     Returns:
         ``(summary, judgments)``: ``summary`` for metrics.json's ``eval.judge`` (``judge``, ``rubric``,
@@ -134,7 +144,7 @@ def run_judge(config: Config, report: Dict[str, Any], client=None) -> Tuple[Dict
     judge = config.eval.judge
     if client is None:
         client = make_judge(config)
-        client.preflight()
+        client.resolve()  # the endpoint was asked before any model loaded (check_judge)
     slots = judged_slots(config, report)
     matches = build_matches(config, slots)
     requests = ask(client, config, matches)
@@ -147,8 +157,9 @@ def run_judge(config: Config, report: Dict[str, Any], client=None) -> Tuple[Dict
                              **summarise(ms, lengths)}
         examples[kind] = clearest(ms, judge.examples)
     sanity = sanity_summary(matches["sanity"], judge.sanity_threshold) if matches["sanity"] else None
+    shown = judge.reference and (judge.rubric is None or "{reference}" in (load_rubric(judge.rubric) or ""))
     summary = {"judge": client.describe(), "rubric": judge.rubric or "built-in",
-               "reference_shown": judge.reference, "comparisons": comparisons, "sanity": sanity,
+               "reference_shown": shown, "comparisons": comparisons, "sanity": sanity,
                "requests": requests, "examples": examples,
                "settings": {"temperature": judge.temperature, "max_tokens": judge.max_tokens,
                             "sanity_threshold": judge.sanity_threshold}}
@@ -192,12 +203,15 @@ def write_judgments(path: Path, judgments: List[Dict[str, Any]]) -> None:
 
 def judge_item(name: str, comparison: Dict[str, Any], sanity: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The verdict's item of one comparison (:func:`qwenft.evaluate.verdict.items`): win rate as ``tuned``, 0.5 (a
-    side against itself) as ``base``, intervals on both; ``distrust`` names a failed sanity check."""
+    side against itself) as ``base``, intervals on both; ``distrust`` names a failed (or unjudged) sanity check,
+    which leaves the item INCONCLUSIVE; ``eval.judge.sanity_n=0`` asks for none, and none is held against it."""
     rate, ci = comparison.get("win_rate"), comparison.get("ci95")
     distrust = None
     if sanity and sanity.get("trusted") is False:
         distrust = (f"the judge failed its sanity check: accuracy {sanity['accuracy']:.2f} < "
                     f"{sanity['threshold']:.2f} (n = {sanity['n']})")
+    elif sanity and sanity.get("trusted") is None:  # asked for, but every sanity request failed
+        distrust = f"the judge's sanity check was not judged ({sanity['errors']} of {sanity['asked']} failed)"
     return {"name": name, "kind": "judge", "metric": "win_rate", "n": comparison.get("n", 0), "base": 0.5,
             "tuned": rate, "delta": None if rate is None else rate - 0.5,
             "ci95": None if ci is None else [ci[0] - 0.5, ci[1] - 0.5], "ci_method": comparison.get("ci_method"),

@@ -293,10 +293,15 @@ def evaluate_and_report(config: Config, model, tokenizer, bundle, benchmarks=Non
     # the judge comes last, with everything else already written: a judge that goes down loses nothing else
     from qwenft.evaluate.judging import run_judge, write_judgments
 
+    from qwenft.evaluate.judge_client import JudgeUnavailable
+
     try:
         report["judge"], judgments = run_judge(config, report)
-    except Exception:
-        write_outputs(config, Path(config.out_dir), report)  # W&B gets the evaluation without the judge
-        raise
+    except JudgeUnavailable as exc:  # report.md and metrics.json say so; W&B gets the evaluation without it
+        report["judge"] = {"failed": str(exc)}
+        write_outputs(config, Path(config.out_dir), report)
+        raise JudgeUnavailable(f"{exc}; the evaluation without the judge is written "
+                               f"({Path(config.out_dir) / 'report.md'}); a re-run asks the judge only for what it "
+                               "did not answer") from None
     write_judgments(Path(config.out_dir) / "judgments.jsonl", judgments)
     return write_outputs(config, Path(config.out_dir), report)

@@ -162,13 +162,20 @@ def summary_line(ev: Dict[str, Any]) -> str:
     verdict = ev.get("verdict") or NO_GATES
     line = f"verdict: {verdict}" + (f" ({'; '.join(parts)})" if parts else "")
     judged = ev.get("judge") or {}
-    base = (judged.get("comparisons") or {}).get("base")
-    if base and base.get("win_rate") is not None:  # the judge's win rate beside it, with its sanity check
+    comparisons = judged.get("comparisons") or {}
+    first = comparisons.get("base") or next(iter(comparisons.values()), None)
+    if first is not None:  # the judge's win rate beside it, with its sanity check
         sanity = judged.get("sanity") or {}
         trust = ("" if sanity.get("trusted") else "; judge NOT TRUSTED" if sanity.get("trusted") is False
                  else "; judge sanity not checked")
-        line += (f"; judge win rate {base['win_rate']:.1%} [{base['ci95'][0]:.1%}, {base['ci95'][1]:.1%}] "
-                 f"(n = {base['n']}){trust}")
+        label = "judge win rate" + ("" if first["y"] == "base" else f" vs {first['y']}")
+        if first.get("win_rate") is not None:
+            line += (f"; {label} {first['win_rate']:.1%} [{first['ci95'][0]:.1%}, {first['ci95'][1]:.1%}] "
+                     f"(n = {first['n']}){trust}")
+        else:
+            line += (f"; judge: no verdict ({first['unparsed']} unparsed, {first['errors']} failed){trust}")
+    elif judged.get("failed"):
+        line += "; judge: not completed"
     return line
 
 

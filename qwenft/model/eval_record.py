@@ -174,13 +174,14 @@ def restore_eval(config: Config, meta: dict, source: Path, keys: Optional[Set[st
     known = {f.name for f in dataclasses.fields(EvalConfig)}
     values = {k: copy.deepcopy(v) for k, v in recorded.items() if k in known and k not in NOT_RESTORED}
     values.update({k: current[k] for k in known if k not in values})  # not restored, or not recorded
-    for path in _typed_paths(keys, "eval"):
+    if isinstance(values.get("gates"), dict):  # a recorded gate of a judge this eval does not run: dropped
+        from qwenft.config.gates import JUDGE_ITEMS, judge_items
+
+        absent = set(JUDGE_ITEMS.values()) - set(judge_items(config.eval.judge))
+        values["gates"] = {k: v for k, v in values["gates"].items() if k not in absent}
+    for path in _typed_paths(keys, "eval"):  # a typed judge gate stays, and is refused below without its judge
         _overlay(values, current, path)
     values["judge"] = config.eval.judge  # never restored (NOT_RESTORED): this command's, typed or not
-    if not config.eval.judge.enabled and isinstance(values.get("gates"), dict):
-        from qwenft.config.gates import JUDGE_ITEMS
-
-        values["gates"] = {k: v for k, v in values["gates"].items() if k not in JUDGE_ITEMS.values()}
     unknown = sorted(set(recorded) - known)
     if unknown:
         log.info("%s: eval settings this version does not know, ignored: %s", source, ", ".join(unknown))
@@ -205,7 +206,7 @@ def restore_eval(config: Config, meta: dict, source: Path, keys: Optional[Set[st
         restored = dataclasses.replace(config, eval=eval_config, generate_presets=presets)
         restored.check_gates()
     except ConfigError as exc:
-        if any(k.startswith(("eval.gates", "eval.targets")) for k in keys):
+        if any(k.startswith(("eval.gates", "eval.targets", "eval.judge")) for k in keys):
             raise  # the user's own gate or target: the one line names it
         raise QwenftError(f"{source}: the eval settings the adapter's run recorded do not fit this evaluation "
                           f"({exc}); type the keys to change (eval.gates=...), or eval=default for this command's "

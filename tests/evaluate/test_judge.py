@@ -231,21 +231,34 @@ def _asked(server, tmp_path, rows, *extra):
     return matches
 
 
-def test_a_500_is_retried_and_a_lasting_one_is_counted_as_an_error(tmp_path):
+def test_a_500_is_retried_and_a_lasting_one_is_counted_as_an_error(tmp_path, caplog):
     with JudgeServer(fail=2) as server:  # the first game fails twice, then passes on its second retry
         matches = _asked(server, tmp_path, slots(3), "eval.judge.retries=2", "eval.judge.concurrency=1")
     assert len(server.requests) == 6 + 2 and summarise(matches["base"])["n"] == 3
-    with JudgeServer(fail=1000, fail_status=503) as server:
-        matches = _asked(server, tmp_path / "b", slots(2), "eval.judge.retries=0")
-    assert [m["verdict"] for m in matches["base"]] == ["error", "error"]
-    assert summarise(matches["base"])["errors"] == 2 and summarise(matches["base"])["n"] == 0
+    with JudgeServer(fail=2, fail_status=503) as server:  # without retries the first two games stay failed
+        matches = _asked(server, tmp_path / "b", slots(3), "eval.judge.retries=0", "eval.judge.concurrency=1")
+    summary = summarise(matches["base"])
+    assert (summary["errors"], summary["n"]) == (1, 2)  # both failed games were the first prompt's: outside n
     assert "HTTP 503" in matches["base"][0]["games"][0]["error"]
+    assert "2 of 6 requests failed" in caplog.text  # said, not dropped
+    with JudgeServer(fail=1000, fail_status=503) as server:  # nothing answered: as good as down
+        with pytest.raises(JudgeUnavailable, match=r"all 4 requests failed after their retries \(first: HTTP 503"):
+            _asked(server, tmp_path / "c", slots(2), "eval.judge.retries=0")
 
 
-def test_a_slow_judge_times_out_into_errors(tmp_path):
+def test_a_slow_judge_times_out(tmp_path):
     with JudgeServer(sleep=1.5) as server:
-        matches = _asked(server, tmp_path, slots(1), "eval.judge.timeout=0.3", "eval.judge.retries=0")
-    assert matches["base"][0]["verdict"] == "error" and "timed out" in matches["base"][0]["games"][0]["error"]
+        with pytest.raises(JudgeUnavailable, match="timed out after 0.3 s"):
+            _asked(server, tmp_path, slots(1), "eval.judge.timeout=0.3", "eval.judge.retries=0")
+
+
+def test_a_sanity_set_whose_requests_failed_decides_no_gate():
+    from qwenft.evaluate.judging import judge_item
+
+    comparison = {"item": "judge", "n": 30, "win_rate": 0.9, "ci95": [0.8, 0.95]}
+    item = judge_item("judge", comparison, {"trusted": None, "errors": 20, "asked": 20})
+    assert "not judged" in item["distrust"]
+    assert judge_item("judge", comparison, None)["distrust"] is None  # eval.judge.sanity_n=0: the user's choice
 
 
 def test_a_refused_key_is_one_line_naming_the_url_and_status(tmp_path, monkeypatch):
@@ -274,10 +287,34 @@ def test_judge_config_errors():
     with pytest.raises(ConfigError, match="eval.gates.judge_reference"):
         compose_config("model=tiny-random", "eval.judge.url=http://127.0.0.1:1/v1",
                        "+eval.gates.judge_reference={min: 0.3}")
+    with pytest.raises(ConfigError, match="holds a user or password"):
+        compose_config("model=tiny-random", "eval.judge.url=http://me:secret@127.0.0.1:1/v1")
     with pytest.raises(ConfigError, match="no such model preset"):
         from qwenft.evaluate.judge_client import preset_model
 
         preset_model("qwen9-1t")
+
+
+def test_an_unusable_cache_dir_is_refused_before_any_request(tmp_path):
+    from qwenft.evaluate.judging import check_judge
+
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    config = compose_config("model=tiny-random", "eval.judge.url=http://127.0.0.1:9/v1", "eval.judge.model=m",
+                            f"eval.judge.cache_dir={a_file}")
+    with pytest.raises(ConfigError, match="eval.judge.cache_dir=.*not a directory qwenft can write"):
+        check_judge(config)
+
+
+def test_a_key_the_endpoint_wants_but_is_not_set_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("JUDGE_UNSET_KEY", raising=False)
+    with JudgeServer(key="k") as server:
+        config = config_for(server, tmp_path, "eval.judge.api_key_env=JUDGE_UNSET_KEY", "eval.judge.model=m")
+        with pytest.raises(JudgeUnavailable, match=r"HTTP 401, the endpoint wants an API key and \$JUDGE_UNSET_KEY is "
+                                                   "not set"):
+            from qwenft.evaluate.judge_client import EndpointJudge
+
+            EndpointJudge(config.eval.judge).preflight()
 
 
 def test_serve_on_tiny_random_is_a_working_endpoint(tmp_path):
@@ -356,12 +393,12 @@ def eval_inputs(tmp_path_factory):
     return tmp, adapter
 
 
-def _eval_args(tmp, adapter, out, *extra):
+def _eval_args(tmp, adapter, out, *extra, cache: str = "cache"):
     from tests.conftest import train_overrides
 
     args = [a for a in train_overrides(tmp, out) if a.split("=")[0].split(".")[0] in ("model", "quant", "out_dir",
                                                                                         "data")]
-    return ["eval", *args, f"adapter={adapter}", "eval.max_new_tokens=6", f"eval.judge.cache_dir={tmp / 'cache'}",
+    return ["eval", *args, f"adapter={adapter}", "eval.max_new_tokens=6", f"eval.judge.cache_dir={tmp / cache}",
             *extra]
 
 
@@ -389,6 +426,20 @@ def test_eval_with_a_judge_writes_its_section_judgments_and_no_key(eval_inputs, 
             assert b"sk-very-secret-123" not in path.read_bytes(), path
 
 
+@pytest.mark.parametrize("typed, said", [
+    ("eval.gates.judge={min: 0.5}", "eval.gates.judge"),  # a judge gate without a judge: refused, not dropped
+    ("eval.judge.sources=[nope]", "eval.judge.sources[0]='nope'"),  # named as typed, not as the adapter's record
+])
+def test_eval_of_an_adapter_refuses_a_typed_judge_key_that_does_not_fit(eval_inputs, capsys, typed, said):
+    from tests.conftest import qwenft_in_process
+
+    tmp, adapter = eval_inputs
+    extra = [typed] if "sources" not in typed else [typed, "eval.judge.url=http://127.0.0.1:9/v1"]
+    result = qwenft_in_process(capsys, *_eval_args(tmp, adapter, tmp / "refused", *extra))
+    assert result.returncode == 2 and said in result.stderr and "recorded" not in result.stderr
+    assert not (tmp / "refused" / "metrics.json").exists()
+
+
 def test_a_judge_that_goes_away_mid_run_loses_nothing_else(eval_inputs, capsys):
     from tests.conftest import qwenft_in_process
 
@@ -396,10 +447,12 @@ def test_a_judge_that_goes_away_mid_run_loses_nothing_else(eval_inputs, capsys):
     out = tmp / "gone"
     with JudgeServer(deny_after=3) as server:  # the preflight and two games, then 401
         result = qwenft_in_process(capsys, *_eval_args(tmp, adapter, out, f"eval.judge.url={server.url}",
-                                                       "eval.judge.concurrency=1"))
+                                                       "eval.judge.concurrency=1", cache="cache-gone"))
     assert result.returncode == 2
     error = result.stderr.strip().splitlines()[-1]
-    assert server.url in error and "HTTP 401" in error
+    assert server.url in error and "HTTP 401" in error and "the evaluation without the judge is written" in error
     metrics = json.loads((out / "metrics.json").read_text())  # the evaluation itself is written
-    assert "tuned" in metrics["eval"]["sources"]["toy"] and "judge" not in metrics["eval"]
-    assert (out / "report.md").is_file() and not (out / "judgments.jsonl").exists()
+    assert "tuned" in metrics["eval"]["sources"]["toy"] and "HTTP 401" in metrics["eval"]["judge"]["failed"]
+    assert "**Not completed**" in (out / "report.md").read_text() and not (out / "judgments.jsonl").exists()
+    cached = list((tmp / "cache-gone").rglob("*.json"))
+    assert len(cached) == 2  # the two games answered before the 401 are kept for the re-run
