@@ -77,6 +77,7 @@ is better, [[C]] if they are equally good.
 """
 
 _MARK = re.compile(r"\[\[([ABC])\]\]")
+_ECHO = re.compile(r"\[\[[ABC]\]\]\s*if\b", re.I)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
 _FIELD = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 
@@ -87,8 +88,8 @@ def parse_verdict(reply: Optional[str]) -> Optional[str]:
     A reply that is a JSON object (alone, or alone in a fenced block) is read by its ``verdict`` key ("A", "B",
     "C", "[[A]]", ... or "tie"); one that is not JSON by the last line holding an ``[[A]]`` / ``[[B]]`` / ``[[C]]``
     marker, which must name one verdict only (FastChat took the first "[[A]]" anywhere, a bias toward A, FastChat PR
-    #3921; a weak judge that repeats the rubric's "[[A]] if ..., [[B]] if ..., [[C]] if ..." gives no verdict, not
-    a tie). Nothing else is guessed.
+    #3921; a weak judge that repeats the rubric's "[[A]] if ..., [[B]] if ..., [[C]] if ...", or a part of it such
+    as "[[A]] if answer A is better", gives no verdict, not a tie). Nothing else is guessed.
     """
     if not reply:
         return None
@@ -107,7 +108,9 @@ def parse_verdict(reply: Optional[str]) -> Optional[str]:
             value = value.strip().strip("[]").strip().upper()
             return "C" if value == "TIE" else value if value in VERDICTS else None
     lines = [line for line in text.splitlines() if _MARK.search(line)]
-    named = set(_MARK.findall(lines[-1])) if lines else set()
+    if not lines or _ECHO.search(lines[-1]):  # "[[A]] if answer A is better": the rubric's words, not a verdict
+        return None
+    named = set(_MARK.findall(lines[-1]))
     return named.pop() if len(named) == 1 else None
 
 

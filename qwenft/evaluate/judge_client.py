@@ -135,7 +135,7 @@ class EndpointJudge:
         return f"{self.url}#{self.model}"
 
     def describe(self) -> str:
-        return f"{self.model} at {self.url}"
+        return f"model {self.model!r} at {self.url}"
 
     def _unavailable(self, exc: Exception) -> JudgeUnavailable:
         from openai import APIStatusError
@@ -201,6 +201,7 @@ class EndpointJudge:
                                                 messages=[{"role": "user", "content": "Reply with the one word OK."}])
         except (APIConnectionError, APIStatusError) as exc:
             raise self._unavailable(exc) from None
+        log.info("judge: %s answered; it judges after the evaluation", self.describe())
 
     def complete(self, prompt: str) -> Dict[str, str]:
         """One reply: ``{"reply": text}``, or ``{"error": "..."}`` after the retries of a timeout, a 429 or a 5xx.

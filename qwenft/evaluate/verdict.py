@@ -156,9 +156,9 @@ def items(config: Config, report: Dict[str, Any]) -> List[Dict[str, Any]]:
         from qwenft.evaluate.judging import judge_item
 
         item = judge_item(comparison["item"], comparison, judged.get("sanity"))
-        # tuned vs base is retention unless a target; tuned vs the reference (below 0.5 as a rule: the reference is
-        # the answer sought) has no role unless a target: only a gate of its own judges it
-        role = TARGET if item["name"] in targets else RETENTION if item["name"] == "judge" else None
+        # no role unless a target: only a gate of its own (eval.gates.judge) judges it, so adding a judge does not
+        # change the verdict of gates the run already had (tuned vs the reference is below 0.5 as a rule)
+        role = TARGET if item["name"] in targets else None
         out.append({**item, "role": role})
     return out
 

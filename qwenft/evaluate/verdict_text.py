@@ -86,7 +86,8 @@ def verdict_lines(config: Config, ev: Dict[str, Any]) -> List[str]:
             if not gate["items"]:
                 lines.append(f"| {name} |  | {gate['status']}: {gate['reason']} |  |  |  |  |  |  |  |")
             for item in gate["items"]:
-                label = f"{name}: {item['name']}" if name in GROUPS else f"{name} ({item['role']}, own gate)"
+                label = (f"{name}: {item['name']}" if name in GROUPS else
+                         f"{name} ({item['role']}, own gate)" if item["role"] else f"{name} (own gate)")
                 ci = _ci(item.get("ci95"))
                 if any(c["condition"] == "min" for c in item["checks"]) and item.get("tuned_ci95"):
                     ci = (ci + "; " if ci else "") + f"tuned {_ci(item['tuned_ci95'])}"

@@ -44,6 +44,7 @@ def config_for(server, tmp_path, *extra):
     ("Some would say [[A]].\nBut B is right:\n[[B]]\nThanks.", "B"),  # the last verdict line, not the first marker
     ("[[A]] if answer A is better, [[B]] if answer B is better, [[C]] if they are equally good.", None),  # an echo
     ("Between [[A]] and [[B]], [[B]]", None),  # one line naming two verdicts
+    ("Let me see.\n[[A]] if answer A is better.", None),  # a part of the rubric repeated: no verdict
     ("[[B]] ... yes, [[B]]", "B"),
     ('{"reason": "x", "verdict": "A"}', "A"),
     ('```json\n{"verdict": "[[B]]"}\n```', "B"),
@@ -326,7 +327,7 @@ def test_serve_on_tiny_random_is_a_working_endpoint(tmp_path):
         config = compose_config("model=tiny-random", f"eval.judge.url={live.url}/v1", f"eval.judge.cache_dir={tmp_path}",
                                 "eval.judge.max_tokens=6", "eval.judge.sanity_n=2", "eval.judge.concurrency=2")
         summary, judgments = run_judge(config, report_of(slots(3)))
-    assert summary["judge"].startswith("base at ")  # the served model's name, from /v1/models
+    assert summary["judge"].startswith("model 'base' at ")  # the served model's name, from /v1/models
     assert summary["requests"]["asked"] == 2 * (3 + 2)
     for j in judgments:
         assert all(isinstance(g["reply"], str) and g["error"] is None for g in j["games"])
@@ -420,7 +421,8 @@ def test_eval_with_a_judge_writes_its_section_judgments_and_no_key(eval_inputs, 
     assert len(lines) == 4 + 4 + judged["sanity"]["asked"]
     report = (out / "report.md").read_text()
     assert "## Judge (pairwise, both orders)" in report and "judge sanity:" in report
-    assert any(g["name"] == "judge" for g in metrics["eval"]["gates"]["retention"]["items"])
+    assert "judge" in metrics["eval"]["ungated"]  # gated only by a gate of its own: the run's verdict is unchanged
+    assert not any(g["name"] == "judge" for g in metrics["eval"]["gates"]["retention"]["items"])
     for path in out.rglob("*"):  # the key is nowhere on disk
         if path.is_file():
             assert b"sk-very-secret-123" not in path.read_bytes(), path
