@@ -38,6 +38,13 @@ WIN_RATE_INTERVAL = "Wilson score interval over prompts, a tie half a win"
 PLACEHOLDERS = ("question", "answer_a", "answer_b", "reference")
 NO_REFERENCE = "(no reference answer is given for this comparison)"
 
+_ASK = """
+Which answer is better? Weigh correctness first, then how well the answer helps the user: relevance, \
+completeness, clarity. Do not let the order of the answers, their length or their style sway you. Give your reasons \
+in a few sentences. Then write your verdict alone on the last line: [[A]] if answer A is better, [[B]] if answer B \
+is better, [[C]] if they are equally good.
+"""
+
 RUBRIC_WITH_REFERENCE = """You are judging two AI assistants' answers to the same question. A reference answer is \
 given: treat it as correct, and prefer the answer that agrees with it.
 
@@ -52,12 +59,7 @@ given: treat it as correct, and prefer the answer that agrees with it.
 
 [Answer B]
 {answer_b}
-
-Which answer is better? Weigh correctness first, then how well the answer helps the user: relevance, \
-completeness, clarity. Do not let the order of the answers, their length or their style sway you. Give your reasons \
-in a few sentences. Then write your verdict alone on the last line: [[A]] if answer A is better, [[B]] if answer B \
-is better, [[C]] if they are equally good.
-"""
+""" + _ASK
 
 RUBRIC = """You are judging two AI assistants' answers to the same question.
 
@@ -69,12 +71,7 @@ RUBRIC = """You are judging two AI assistants' answers to the same question.
 
 [Answer B]
 {answer_b}
-
-Which answer is better? Weigh correctness first, then how well the answer helps the user: relevance, \
-completeness, clarity. Do not let the order of the answers, their length or their style sway you. Give your reasons \
-in a few sentences. Then write your verdict alone on the last line: [[A]] if answer A is better, [[B]] if answer B \
-is better, [[C]] if they are equally good.
-"""
+""" + _ASK
 
 _MARK = re.compile(r"\[\[([ABC])\]\]")
 _ECHO = re.compile(r"\[\[[ABC]\]\]\s*if\b", re.I)

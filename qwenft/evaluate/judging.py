@@ -53,10 +53,12 @@ def judged_slots(config: Config, report: Dict[str, Any]) -> List[Dict[str, Any]]
             for slot in rows if "base" in slot and "tuned" in slot]
 
 
-def build_matches(config: Config, slots: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
-    """Per comparison of ``eval.judge.compare`` (and ``sanity``), its matches (:func:`qwenft.evaluate.judge.match`)."""
+def build_matches(config: Config, slots: List[Dict[str, Any]], rubric: Optional[str] = None
+                  ) -> Dict[str, List[Dict[str, Any]]]:
+    """Per comparison of ``eval.judge.compare`` (and ``sanity``), its matches (:func:`qwenft.evaluate.judge.match`);
+    ``rubric``: the text of ``eval.judge.rubric`` when already read (None: read it here)."""
     judge = config.eval.judge
-    rubric = load_rubric(judge.rubric)
+    rubric = rubric if rubric is not None else load_rubric(judge.rubric)
     out: Dict[str, List[Dict[str, Any]]] = {}
     for kind in judge.compare:
         matches = []
@@ -146,7 +148,8 @@ def run_judge(config: Config, report: Dict[str, Any], client=None) -> Tuple[Dict
         client = make_judge(config)
         client.resolve()  # the endpoint was asked before any model loaded (check_judge)
     slots = judged_slots(config, report)
-    matches = build_matches(config, slots)
+    rubric = load_rubric(judge.rubric)  # read once: the matches and the summary's reference_shown
+    matches = build_matches(config, slots, rubric)
     requests = ask(client, config, matches)
     comparisons: Dict[str, Any] = {}
     examples: Dict[str, Any] = {}
@@ -157,7 +160,7 @@ def run_judge(config: Config, report: Dict[str, Any], client=None) -> Tuple[Dict
                              **summarise(ms, lengths)}
         examples[kind] = clearest(ms, judge.examples)
     sanity = sanity_summary(matches["sanity"], judge.sanity_threshold) if matches["sanity"] else None
-    shown = judge.reference and (judge.rubric is None or "{reference}" in (load_rubric(judge.rubric) or ""))
+    shown = judge.reference and (rubric is None or "{reference}" in rubric)
     summary = {"judge": client.describe(), "rubric": judge.rubric or "built-in",
                "reference_shown": shown, "comparisons": comparisons, "sanity": sanity,
                "requests": requests, "examples": examples,
