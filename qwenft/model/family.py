@@ -25,7 +25,8 @@ class Member:
     (``SHAPE_KEYS``, ``rope_theta``, ``max_position_embeddings``, ``rms_norm_eps``, ``sliding_window``,
     ``use_sliding_window``, ``max_window_layers``, ``model_type``). ``generation``: its generation_config.json
     (``bos_token_id``, ``eos_token_id`` (int or list), ``pad_token_id``, and for Instruct models ``do_sample``,
-    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``). ``sources``: the files read.
+    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``). ``sources``: the files read. ``unverified``: the
+    keys no copy of those files showed (``generation.`` for generation_config.json's), kept at DESIGN.md's values.
     """
 
     repo_id: str
@@ -36,6 +37,7 @@ class Member:
     config: Dict[str, object]
     generation: Dict[str, object]
     sources: tuple = field(default_factory=tuple)
+    unverified: tuple = field(default_factory=tuple)
 
     def shape(self) -> tuple:
         """The values of :data:`SHAPE_KEYS`, in that order."""
@@ -54,27 +56,31 @@ def _add(member: Member) -> None:
     MEMBERS[member.repo_id] = member
 
 
-# Qwen2.5-7B-Instruct: config.json and generation_config.json (DESIGN.md, "Facts to get right").
-_add(Member(
-    "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b-instruct", "Qwen2.5", "7B", True,
-    {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-     "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False, "rope_theta": 1000000.0,
-     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "sliding_window": 131072, "use_sliding_window": False,
-     "max_window_layers": 28, "model_type": "qwen2"},
-    {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643, "do_sample": True,
-     "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
-    _hf("Qwen/Qwen2.5-7B-Instruct")))
+def _build() -> None:
+    """Fill :data:`MEMBERS` from :data:`qwenft.model.family_table.ROWS` (the numbers live there, once)."""
+    from qwenft.model import family_table as table
 
-# Qwen2.5-0.5B-Instruct: config.json and generation_config.json.
-_add(Member(
-    "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-0.5b-instruct", "Qwen2.5", "0.5B", True,
-    {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-     "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1000000.0,
-     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "sliding_window": 32768, "use_sliding_window": False,
-     "max_window_layers": 21, "model_type": "qwen2"},
-    {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643, "do_sample": True,
-     "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1},
-    _hf("Qwen/Qwen2.5-0.5B-Instruct")))
+    for (name, line, size, instruct, positions, theta, eps, window, window_layers, penalty, unverified,
+         refs) in table.ROWS:
+        config = dict(zip(SHAPE_KEYS, table.SHAPES[size]))
+        config.update({"rope_theta": theta, "max_position_embeddings": positions, "rms_norm_eps": eps,
+                       "use_sliding_window": False, "model_type": "qwen2"})
+        if window is not None:  # left out where no copy of the config.json was read (never guessed)
+            config.update({"sliding_window": window, "max_window_layers": window_layers})
+        else:
+            unverified = unverified + ("sliding_window", "max_window_layers")
+        if instruct:
+            generation = dict(table.INSTRUCT_GENERATION, repetition_penalty=penalty)
+            guessed = table.GEN_UNVERIFIED if "gen7" in refs else table.GEN_UNVERIFIED + ("temperature", "top_p")
+        else:
+            generation, guessed = dict(table.BASE_GENERATION), ("do_sample",)
+        repo_id = f"Qwen/{name}"
+        sources = _hf(repo_id) + tuple(table.REFS[ref].format(repo=repo_id) for ref in refs)
+        _add(Member(repo_id, name.lower(), line, size, instruct, config, generation, sources,
+                    tuple(unverified) + tuple(f"generation.{key}" for key in guessed)))
+
+
+_build()
 
 
 def member(repo_id: str) -> Optional[Member]:

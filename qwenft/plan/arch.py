@@ -6,8 +6,8 @@ Where the numbers come from, by ``model.source``:
 - ``local``: ``<model.path>/config.json``.
 - ``embedded``: the converted model's config.json in the qwenft cache when it exists, else the built-in copy of
   its numbers (the conversion loads weights, so a plan never triggers it).
-- ``hub``: the config.json in the local Hugging Face cache, else a built-in copy for the Qwen2.5 presets, else
-  (when ``HF_HUB_OFFLINE`` is not set) a download of that one small file.
+- ``hub``: the config.json in the local Hugging Face cache, else the family table's numbers for the Qwen2.5
+  presets (:mod:`qwenft.model.family`), else (when ``HF_HUB_OFFLINE`` is not set) a download of that one small file.
 
 Parameter counts follow transformers' ``Qwen2ForCausalLM`` (models/qwen2/modeling_qwen2.py): q/k/v projections
 with bias, o_proj and the SwiGLU MLP without, two RMSNorms per layer plus a final one, an untied or tied lm_head.
@@ -23,24 +23,23 @@ from typing import Dict, Tuple
 
 from qwenft.config import LoraConfig, ModelConfig, QwenftError
 
-# The config.json numbers of the models qwenft ships presets for, so a plan needs no download. Checked against
-# the published config.json files (DESIGN.md, "Facts to get right").
-BUILTIN_CONFIGS: Dict[str, dict] = {
-    "Qwen/Qwen2.5-7B-Instruct": {
-        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
-        "tie_word_embeddings": False, "model_type": "qwen2"},
-    "Qwen/Qwen2.5-0.5B-Instruct": {
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-        "tie_word_embeddings": True, "model_type": "qwen2"},
+
+def _builtin_configs() -> Dict[str, dict]:
+    """The config.json numbers of every preset's Hugging Face repository, so a plan needs no download: the family
+    table (:mod:`qwenft.model.family`, their one home), plus ``embedded``."""
+    from qwenft.model.family import MEMBERS
+
+    configs = {repo_id: dict(m.config) for repo_id, m in MEMBERS.items()}
     # The embedded Qwen2.5-Coder-0.5B-Instruct as converted from its GGUF: the GGUF stores a separate output
     # matrix, so the converted model has an untied lm_head (630 M parameters).
-    "embedded": {
+    configs["embedded"] = {
         "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
         "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-        "tie_word_embeddings": False, "model_type": "qwen2"},
-}
+        "tie_word_embeddings": False, "model_type": "qwen2"}
+    return configs
+
+
+BUILTIN_CONFIGS: Dict[str, dict] = _builtin_configs()
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
