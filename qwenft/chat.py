@@ -18,6 +18,21 @@ IM_END = "<|im_end|>"
 IM_START = "<|im_start|>"  # opens a ChatML turn: <|im_start|>role\ncontent<|im_end|>\n
 
 
+# The default system prompt Qwen2.5's Instruct chat template renders when a conversation has no system turn (the
+# Instruct and Coder-Instruct templates; read from the template the embedded Qwen2.5-Coder-0.5B-Instruct GGUF carries).
+QWEN_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+# The shorter default of the base models' ChatML template (and of many ChatML templates written for Qwen by other
+# tools): accepted for a base model.
+PLAIN_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+# sha256 of Qwen2.5's Instruct chat template (the UTF-8 text of the embedded model's chat_template.jinja, 2,507
+# characters, tools branch included): `qwenft doctor` names a template with this digest as the family's own.
+QWEN_TEMPLATE_SHA256 = ("cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",)
+
+
 # Qwen2.5 Instruct's sampling defaults (its generation_config.json): the same for every size but the repetition
 # penalty, REPETITION_PENALTY by size.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}

@@ -144,8 +144,8 @@ def qwenft_commands(text: str, include_skipped: bool = False) -> Iterator[Tuple[
             continue
         for tokens, _ in block_commands(body):
             rest = qwenft_command(tokens)
-            if not rest or rest[0] in ("--help", "recipes") or rest[1:2] and rest[1].startswith("cache="):
-                continue  # no Hydra config: `recipes ...`, `data cache=list|clear`
+            if not rest or rest[0] in ("--help", "recipes", "doctor") or rest[1:2] and rest[1].startswith("cache="):
+                continue  # no Hydra config: `recipes ...`, `doctor PATH`, `data cache=list|clear`
             typed = [a for a in rest[1:] if a not in flags and not a.startswith("[")]
             yield rest[0], typed, "-m" in rest
             if any(a.startswith("[") for a in rest[1:]):

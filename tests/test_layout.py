@@ -15,7 +15,7 @@ MAX_LINES = 400
 # The lower rooms, which no command room may be imported by: each may import only rooms listed after it here.
 LOWER = ["model", "preference", "data", "kernels", "chat", "memory", "runtime", "runlock", "files", "logfilter", "resources",
          "config"]
-COMMANDS = ["train", "evaluate", "generation", "export", "plan", "inspect", "recipes", "serve"]
+COMMANDS = ["train", "evaluate", "generation", "export", "plan", "inspect", "recipes", "serve", "doctor"]
 ENTRY = ["cli"]
 
 

@@ -52,6 +52,8 @@ COMMAND_TABLE: Dict[str, Tuple[str, str]] = {
     "serve": ("serve base and tuned behind an OpenAI-compatible API, /metrics and a side-by-side page", "serve"),
     # no Hydra config: `qwenft recipes [cp NAME DEST [--force]]`, run with its own arguments
     "recipes": ("list the built-in recipes; `recipes cp NAME DIR` copies one to edit", "recipes"),
+    # no Hydra config either: `qwenft doctor PATH [--json]`; its exit code is 1 when it finds something
+    "doctor": ("check an adapter, model directory or GGUF for what breaks a Qwen2.5 fine-tune", "doctor"),
 }
 
 
@@ -198,13 +200,15 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
     if command not in COMMAND_TABLE:
         fail(f"unknown command '{command}'; commands: {', '.join(COMMAND_TABLE)}")
     if command not in COMMANDS or (command == "data" and rest[:1] and rest[0].startswith("cache=")):
-        try:  # `recipes`, `data cache=list|clear`: no Hydra config
+        try:  # `recipes`, `doctor`, `data cache=list|clear`: no Hydra config
             if command == "data":
                 from qwenft.data.command import cache_command
 
                 cache_command(rest)
             else:
-                command_function(command)(rest)
+                code = command_function(command)(rest)  # `doctor`: 1 when it found something
+                if code:
+                    raise SystemExit(code)
         except QwenftError as exc:
             fail(str(exc))
         return

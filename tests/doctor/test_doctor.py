@@ -1,0 +1,264 @@
+"""``qwenft doctor``: each planted fault is found as exactly its code (so removing a check fails its test), the clean
+artifacts and qwenft's own outputs give exit 0, unreadable paths exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qwenft.config import QwenftError
+from qwenft.doctor.command import diagnose
+from qwenft.doctor.findings import CODES
+from tests.conftest import qwenft_in_process
+from tests.doctor.conftest import copy, edit_json, family_dir, peft_adapter, rewrite_gguf
+
+
+def codes(path) -> list:
+    return diagnose(path).codes()
+
+
+# --- clean artifacts ----------------------------------------------------------------------------------------------
+
+def test_clean_transformers_dir_plain_peft_adapter_and_family_dir(tiny_dir, tied_tiny_dir, plain_adapter, tmp_path):
+    for path in (tiny_dir, tied_tiny_dir, plain_adapter, family_dir(tmp_path / "f")):
+        report = diagnose(path)
+        assert report.findings == [], (path, report.text())
+    assert any("not one of the Qwen2.5 family's shapes" in line for line in diagnose(tiny_dir).info)
+    assert any("Qwen/Qwen2.5-0.5B-Instruct" in line for line in diagnose(tmp_path / "f").info)
+
+
+def test_qwenft_own_tiny_outputs_are_clean(qwenft_outputs, capsys):
+    for name in ("adapter", "merged", "gguf"):
+        result = qwenft_in_process(capsys, "doctor", str(qwenft_outputs[name]))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "doctor: clean" in result.stdout
+    run_dir = qwenft_outputs["adapter"].parent  # a run directory stands for its adapter
+    assert diagnose(run_dir).kind == "adapter"
+
+
+def test_merge_output_stops_on_im_end(qwenft_outputs):
+    """qwenft's merge never writes a stop list without <|im_end|> under a ChatML template (it would be its own bug)."""
+    merged = qwenft_outputs["merged"]
+    eos = json.loads((merged / "generation_config.json").read_text())["eos_token_id"]
+    im_end = json.loads((merged / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in im_end["added_tokens"]}
+    assert ids["<|im_end|>"] in eos and "eos-missing-im-end" not in codes(merged)
+
+
+# --- one planted fault each ---------------------------------------------------------------------------------------
+
+def test_eos_missing_im_end(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")
+    edit_json(path / "generation_config.json", eos_token_id=[json.loads((path / "config.json").read_text())
+                                                             ["pad_token_id"]])
+    assert codes(path) == ["eos-missing-im-end"]
+
+
+def test_generation_config_missing(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")
+    (path / "generation_config.json").unlink()
+    assert codes(path) == ["generation-config-missing"]
+
+
+def test_pad_is_im_end(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")
+    edit_json(path / "tokenizer_config.json", pad_token="<|im_end|>")
+    assert codes(path) == ["pad-is-im-end"]
+
+
+def test_template_missing(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    edit_json(path / "tokenizer_config.json", chat_template=None)
+    assert codes(path) == ["template-missing"]
+
+
+def test_template_not_chatml(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")
+    (path / "chat_template.jinja").write_text("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n"
+                                              "{% endfor %}", encoding="utf-8")
+    assert codes(path) == ["template-not-chatml"]
+
+
+def test_template_system_prompt(tmp_path):
+    no_default = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    assert codes(family_dir(tmp_path / "f", template=no_default)) == ["template-system-prompt"]
+
+
+def test_tied_lm_head_differs(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")  # untied: its lm_head differs from embed_tokens
+    edit_json(path / "config.json", tie_word_embeddings=True)
+    assert codes(path) == ["tied-lm-head-differs"]
+
+
+def test_lm_head_missing_tied_flag_lost(tied_tiny_dir, tmp_path):
+    path = copy(tied_tiny_dir, tmp_path / "m")
+    edit_json(path / "config.json", tie_word_embeddings=False)
+    assert codes(path) == ["lm-head-missing"]
+    report = diagnose(family_dir(tmp_path / "f", tie_word_embeddings=False, head=False))
+    assert report.codes() == ["lm-head-missing"] and "is tied" in report.findings[0].message
+
+
+def test_adapter_lm_head_on_tied_base(tied_tiny_dir, tmp_path):
+    adapter = peft_adapter(tied_tiny_dir, tmp_path / "a", modules_to_save=["lm_head"])
+    # vLLM refuses modules_to_save too: the tied-base code comes on top of it, and only on a tied base
+    assert codes(adapter) == ["adapter-lm-head-on-tied-base", "vllm-lora-unsupported"]
+
+
+def test_quantization_config_leftover(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")
+    edit_json(path / "config.json", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                                         "bnb_4bit_quant_type": "nf4"})
+    assert codes(path) == ["quantization-config-leftover"]
+
+
+def test_embedding_rows_shrunk(tmp_path):
+    assert codes(family_dir(tmp_path / "f", vocab_size=151665)) == ["embedding-rows-shrunk"]
+
+
+def test_tokens_beyond_rows(tiny_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model.resize_token_embeddings(400)  # the tokenizer has 480 tokens
+    path = copy(tiny_dir, tmp_path / "m")
+    model.save_pretrained(path)
+    assert codes(path) == ["tokens-beyond-rows"]
+
+
+def test_rope_scaling_inconsistent(tiny_dir, tmp_path):
+    path = copy(tiny_dir, tmp_path / "m")  # max_position_embeddings 2048 = 2 x 1024, not the factor 4
+    edit_json(path / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                     "original_max_position_embeddings": 1024})
+    assert codes(path) == ["rope-scaling-inconsistent"]
+
+
+def test_rope_trained_past_window(tiny_dir, tmp_path):
+    adapter = peft_adapter(tiny_dir, tmp_path / "a")
+    (adapter / "qwenft.json").write_text(json.dumps({"model": {"source": "local", "path": str(tiny_dir)},
+                                                     "data": {"max_seq_len": 4096}}), encoding="utf-8")
+    assert codes(adapter) == ["rope-trained-past-window"]
+    (adapter / "qwenft.json").write_text(json.dumps({  # the same length with YaRN x2 recorded: clean
+        "model": {"source": "local", "path": str(tiny_dir), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+        "data": {"max_seq_len": 4096}}), encoding="utf-8")
+    assert codes(adapter) == []
+
+
+def test_rope_gguf_mismatch(qwenft_outputs, tmp_path):
+    path = copy(qwenft_outputs["merged"], tmp_path / "m")  # its GGUF has no scaling; config.json gets YaRN x2
+    edit_json(path / "config.json", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6,
+                                                     "original_max_position_embeddings": 1024})
+    assert codes(path) == ["rope-gguf-mismatch"]
+
+
+def test_vllm_lora_unsupported(plain_adapter, tmp_path):
+    path = copy(plain_adapter, tmp_path / "a")
+    edit_json(path / "adapter_config.json", use_dora=True)
+    report = diagnose(path)
+    assert report.codes() == ["vllm-lora-unsupported"] and "DoRA" in report.findings[0].message
+
+
+def test_gguf_special_token_type(qwenft_outputs, tmp_path):
+    import gguf
+
+    src = qwenft_outputs["gguf"]
+    im_end = gguf.GGUFReader(src).fields["tokenizer.ggml.eos_token_id"].contents()
+    path = rewrite_gguf(src, tmp_path / "t.gguf", token_types={im_end: int(gguf.TokenType.NORMAL)})
+    assert codes(path) == ["gguf-special-token-type"]
+
+
+def test_gguf_template_missing(qwenft_outputs, tmp_path):
+    path = rewrite_gguf(qwenft_outputs["gguf"], tmp_path / "t.gguf", drop=("tokenizer.chat_template",))
+    assert codes(path) == ["template-missing"]
+
+
+def test_gguf_eos_not_end(qwenft_outputs, tmp_path):
+    import gguf
+
+    path = rewrite_gguf(qwenft_outputs["gguf"], tmp_path / "t.gguf",
+                        set_values={"tokenizer.ggml.eos_token_id": (100, gguf.GGUFValueType.UINT32)})
+    assert codes(path) == ["gguf-eos-not-end"]
+
+
+def family_gguf(path: Path, swap_im_end: bool = False) -> Path:
+    """A GGUF with the 0.5B's metadata and vocabulary size, no tensors (the identification reads the token count;
+    tied: no output.weight), the Qwen special tokens at their ids (or <|im_end|> moved to id 151646)."""
+    import gguf
+
+    from tests.doctor.conftest import CHATML
+
+    writer = gguf.GGUFWriter(path, "qwen2")
+    for add, value in ((writer.add_context_length, 32768), (writer.add_embedding_length, 896),
+                       (writer.add_block_count, 24), (writer.add_feed_forward_length, 4864),
+                       (writer.add_head_count, 14), (writer.add_head_count_kv, 2)):
+        add(value)
+    tokens = [f"t{i}" for i in range(151936)]
+    types = [int(gguf.TokenType.NORMAL)] * 151936
+    for index, text in ((151643, "<|endoftext|>"), (151644, "<|im_start|>"), (151645, "<|im_end|>")):
+        index = 151646 if swap_im_end and text == "<|im_end|>" else index
+        tokens[index], types[index] = text, int(gguf.TokenType.CONTROL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_eos_token_id(151646 if swap_im_end else 151645)
+    writer.add_chat_template(CHATML)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_special_token_id(tmp_path):
+    assert codes(family_gguf(tmp_path / "clean.gguf")) == []
+    assert codes(family_gguf(tmp_path / "moved.gguf", swap_im_end=True)) == ["gguf-special-token-id"]
+
+
+def test_every_code_has_a_test():
+    text = Path(__file__).read_text(encoding="utf-8")
+    assert [code for code in CODES if f'"{code}"' not in text.split("def test_every_code_has_a_test")[0]] == []
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+def test_exit_codes_and_json(tiny_dir, tmp_path, capsys):
+    clean = qwenft_in_process(capsys, "doctor", str(tiny_dir))
+    assert clean.returncode == 0 and clean.stdout.strip().endswith("doctor: clean (no findings)")
+    path = copy(tiny_dir, tmp_path / "m")
+    (path / "generation_config.json").unlink()
+    found = qwenft_in_process(capsys, "doctor", str(path), "--json")
+    data = json.loads(found.stdout)
+    assert found.returncode == 1 and data["exit_code"] == 1
+    assert [f["code"] for f in data["findings"]] == ["generation-config-missing"] and data["findings"][0]["fix"]
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "corrupt-json", "corrupt-gguf", "empty-dir"])
+def test_unreadable_exits_2(case, tmp_path, tiny_dir, capsys):
+    path = tmp_path / "x"
+    if case == "garbage":
+        path.write_bytes(b"not a model at all")
+    elif case == "corrupt-json":
+        path = copy(tiny_dir, path)
+        (path / "generation_config.json").write_text("{", encoding="utf-8")
+    elif case == "corrupt-gguf":
+        path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    elif case == "empty-dir":
+        path.mkdir()
+    with pytest.raises(QwenftError):
+        diagnose(path)
+    result = qwenft_in_process(capsys, "doctor", str(path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "x" in result.stderr
+
+
+def test_docs_table_lists_every_code():
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "doctor.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip() for line in text.splitlines()
+            if line.startswith("| `") and line.count("|") >= 4}
+    assert {code: rows.get(code) for code in CODES} == {code: severity for code, (severity, _) in CODES.items()}
