@@ -17,6 +17,7 @@ from qwenft.files import atomic_write_text
 from qwenft.logfilter import result_console
 from qwenft.plan.arch import Architecture, lora_parameter_count, parameter_counts, resolve_architecture
 from qwenft.plan.evaluation import evaluation_memory
+from qwenft.plan.gpus import gpu_figures, long_context, render_gpus
 from qwenft.plan.memory import TrainSetup, kv_cache_bytes, training_weight_bytes, weight_bytes
 from qwenft.plan.preference import SEQUENCES_PER_PAIR, step_memory
 
@@ -129,8 +130,10 @@ def make_plan(config: Config) -> Dict[str, Any]:
     ``weights`` (16-bit, as loaded, during training), ``lora``, ``training`` (the configured batch x seq with
     and without gradient checkpointing, per process: after sharding over ``plan.processes`` under FSDP / ZeRO,
     ``sharding`` naming the mode of :mod:`qwenft.plan.sharding` and ``scope`` what it divides), ``evaluation`` (the evaluation's peak and its parts,
-    :func:`qwenft.plan.evaluation.evaluation_memory`), ``kv_cache``, ``inference`` and ``budget`` (fits, largest
-    batch per sequence length, longest sequence at the configured batch).
+    :func:`qwenft.plan.evaluation.evaluation_memory`), ``kv_cache``, ``inference``, ``budget`` (fits, largest
+    batch per sequence length, longest sequence at the configured batch), ``gpus`` (which GPU sizes fit, one GPU
+    and sharded: :func:`qwenft.plan.gpus.gpu_figures`; None with ``plan.device=cpu``) and ``long_context``
+    (:func:`qwenft.plan.gpus.long_context`, from ``data.max_seq_len`` 8,192 or with ``model.rope_scaling``).
 
     Raises:
         QwenftError: the architecture cannot be read (see :func:`qwenft.plan.arch.resolve_architecture`).
@@ -203,6 +206,8 @@ def make_plan(config: Config) -> Dict[str, Any]:
                    "largest_batch": [{"seq_len": s, "batch_size": _largest_batch(arch, setup, s, budget)}
                                      for s in seqs],
                    "longest_seq_at_batch": _largest_seq(arch, setup, batch, budget)},
+        "gpus": gpu_figures(config, arch) if pcfg.device == "cuda" else None,
+        "long_context": long_context(config, unscaled) if seq >= 8192 or rope.rope_type else [],
     }
 
 
@@ -296,6 +301,7 @@ def render(plan: Dict[str, Any], console=None) -> None:
     for row in b["largest_batch"]:
         table.add_row(f"{row['seq_len']:,}", str(row["batch_size"]) if row["batch_size"] else "[red]none")
     console.print(table)
+    render_gpus(plan, console)
 
 
 def plan_command(config: Config) -> Dict[str, Any]:

@@ -55,8 +55,8 @@ class TrainSetup:
     (``plan.processes``); ``reduce_buffers`` x ``reduce_buffer_elements``: ZeRO-1/2's gradient staging buffers
     (:func:`qwenft.plan.sharding.zero_reduce_buffers`). ``objective``: ``train.objective``; for a preference one
     (:mod:`qwenft.plan.preference`) ``reference``: whether a step runs the reference forward (the objective has a
-    reference and ``pref.precompute_ref`` is off), ``padding_free``: ``pref.padding_free`` resolved.
-    """
+    reference and ``pref.precompute_ref`` is off), ``padding_free``: ``pref.padding_free`` resolved. ``packed``:
+    ``data.packing`` (packed rows reach sdpa / eager with a block-diagonal mask even one row to a batch)."""
 
     device: str
     nf4: bool
@@ -78,16 +78,15 @@ class TrainSetup:
     objective: str = "sft"
     reference: bool = False
     padding_free: bool = False
+    packed: bool = False
 
     @classmethod
     def from_config(cls, config: Config, device: str = "cuda") -> "TrainSetup":
         """Resolve ``config`` for ``device`` (``cuda`` or ``cpu``) as ``qwenft.train`` and ``load_model`` do."""
-        def native_bf16() -> bool:
-            if device == "cuda":
-                return True
+        def native_bf16() -> bool:  # a CUDA device is taken as bf16-native; a CPU is asked
             from qwenft.runtime import native_bf16 as probe
 
-            return probe("cpu")
+            return device == "cuda" or probe("cpu")
 
         def resolve(name: str) -> str:
             return name if name != "auto" else ("bfloat16" if native_bf16() else "float32")
@@ -101,8 +100,7 @@ class TrainSetup:
         precision = resolve_precision(config.train.precision, compute, native_bf16())
         optim = resolve_optim(config.train.optim, config.dist.strategy, device == "cuda")
         kernels = config.train.kernels  # an explicit choice is planned as given, whatever this machine has
-        if kernels == "auto":
-            kernels = resolve_kernels("auto", device == "cuda")
+        kernels = resolve_kernels("auto", device == "cuda") if kernels == "auto" else kernels
         from qwenft.plan.sharding import sharding_mode, zero_reduce_buffers
 
         dcfg = config.dist
@@ -119,6 +117,7 @@ class TrainSetup:
                    grad_accum=config.train.grad_accum, supervised=config.plan.supervised_fraction, kernels=kernels,
                    sharding=mode, processes=config.plan.processes, reduce_buffers=buffers["count"],
                    reduce_buffer_elements=buffers["elements"], objective=objective, reference=reference,
+                   packed=config.data.packing,
                    padding_free=padding_free(objective, config.pref.padding_free, config.model.attn_implementation))
 
 
@@ -240,7 +239,7 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
     copy of an fp32 lm_head, and one chunk's logits: ``chunk * V * (4 + c)`` bytes (fp32 logits, softmax in place,
     plus the 16-bit product or gradient when ``c`` is 2; ``chunk`` from :func:`qwenft.kernels.chunk_tokens`), or
     with Liger ``chunk * V * c`` (``qwenft.kernels.liger_chunk_tokens``). ``masked``: whether a mask reaches
-    attention (default ``batch > 1``: right padding; a padding-free row of packed sequences has one too).
+    attention (default ``batch > 1`` or ``setup.packed``: right padding, or packed rows' block-diagonal mask).
 
     Returns:
         ``per_token_layer`` (bytes per token per layer), ``layers`` (all layers, batch x seq),
@@ -272,7 +271,7 @@ def activation_terms(arch: Architecture, setup: TrainSetup, batch: int, seq: int
             return (0 if shared_elsewhere else 4 * width) + lora_in_b * r * len(chosen)
         return len(chosen) * (per + lora_in_b * r)
 
-    padded = batch > 1 if masked is None else masked  # a mask reaches attention (padding, or packed sequences)
+    padded = (batch > 1 or setup.packed) if masked is None else masked  # a mask: padding, or packed sequences
     if setup.attn == "eager":  # q, repeated k and v, fp32 probabilities (+ their 16-bit copy for the matmul)
         attention = attn_b * 3 * arch.q_dim + arch.num_attention_heads * seq * (4 + (attn_b if attn_b != 4 else 0))
     else:  # a padding mask turns GQA off (k/v repeated) and is converted to a float mask per call, then saved
@@ -333,9 +332,9 @@ def training_memory(arch: Architecture, setup: TrainSetup, batch: int, seq: int,
     training plus the fp32 LoRA weights (plus the optimizer states from the second step on, ``steady=True``, and
     the gradients when ``grad_accum > 1``). The loss phase holds every saved activation (or, with gradient
     checkpointing, every layer input) plus the loss's own bytes (``loss_saved + loss_transient`` of
-    :func:`activation_terms`: no logits tensor, one chunk at a time); the layer phase
-    holds one layer's activations being recomputed (checkpointing), the gradient temporaries, a dequantized
-    NF4 weight and the LoRA gradients so far; the step holds gradients, states and the step's temporaries.
+    :func:`activation_terms`: no logits tensor, one chunk at a time); the layer phase holds one layer's activations
+    being recomputed (checkpointing), the gradient temporaries, a dequantized NF4 weight and the LoRA gradients so
+    far; the step holds gradients, states and the step's temporaries.
 
     Per process: under FSDP / ZeRO (``setup.sharding`` over ``setup.processes``) the static rows are one process's
     shards (:func:`qwenft.plan.sharding.shard`) and the loss and layer phases add the weights gathered at that
