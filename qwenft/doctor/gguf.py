@@ -181,7 +181,9 @@ def compare_rope(config: dict, facts: GgufFacts, report: Report) -> None:
              else None)
     if here[0] is None and there[0] is None:
         return
-    if here[0] != there[0] or (here[1] is not None and there[1] is not None and float(here[1]) != float(there[1])):
+    # the GGUF stores the factor as float32: equal within its rounding (2^-24 relative)
+    if here[0] != there[0] or (here[1] is not None and there[1] is not None
+                               and abs(float(here[1]) - float(there[1])) > 1e-6 * abs(float(here[1]))):
         report.add("rope-gguf-mismatch", f"config.json has RoPE scaling {here[0] or 'none'} (factor {here[1]}) but "
                    f"{facts.path.name} has {there[0] or 'none'} (factor {there[1]})",
                    "convert the GGUF again from this directory (llama.cpp's converter, or qwenft merge merge.gguf=f16)")

@@ -51,18 +51,27 @@ def variant(names: Sequence[str], generation: Optional[dict]) -> tuple:
     return None, "neither its names nor its generation_config tell"
 
 
+def _pick(candidates: List[Member], names: Sequence[str], instruct: Optional[bool]) -> Member:
+    """The candidate the names point at (its repo name in one of them), else the first of the right variant,
+    plain Qwen2.5 before Coder and Math (same shapes, other lines)."""
+    lowered = " ".join(str(n).lower().replace(" ", "-") for n in names)
+    named = [m for m in candidates if m.repo_id.split("/")[-1].lower() in lowered]
+    if named:
+        return max(named, key=lambda m: len(m.repo_id))  # Qwen2.5-7B-Instruct over Qwen2.5-7B
+    pick = [m for m in candidates if instruct is None or m.instruct == instruct] or candidates
+    return sorted(pick, key=lambda m: m.line != "Qwen2.5")[0]
+
+
 def identify_config(config: dict, names: Sequence[str] = (), generation: Optional[dict] = None) -> Identity:
     """The family member ``config`` (a config.json dict) is; see the module docstring."""
     instruct, why = variant(names, generation)
     exact = identify(config)
     if exact:
-        pick = [m for m in exact if instruct is None or m.instruct == instruct] or exact
-        return Identity(pick[0], True, [], instruct, why, exact)
+        return Identity(_pick(exact, names, instruct), True, [], instruct, why, exact)
     near = [m for m in MEMBERS.values() if all(m.config.get(k) == config.get(k) for k in ARCH_KEYS)]
     if not near:
         return Identity(None, False, [], instruct, why)
-    pick = [m for m in near if instruct is None or m.instruct == instruct] or near
-    chosen = pick[0]
+    chosen = _pick(near, names, instruct)
     values = dict(config)
     values.setdefault("tie_word_embeddings", False)
     differs = [f"{k}: {values.get(k)} here vs {chosen.config.get(k)}" for k in ("vocab_size", "tie_word_embeddings")

@@ -303,9 +303,11 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
            quant_cfg: QuantConfig, why: str, device: str, request: dict) -> None:
     """Everything between an empty temporary directory and a verified one."""
     from qwenft.export.gguf_file import write_gguf
+    from qwenft.doctor.guard import check_loaded, check_written
     from qwenft.export.gguf_quant import write_modelfile
 
     merge_cfg = config.merge
+    inherited = check_loaded(adapter_dir, "the adapter")  # the adapter and its base: warned about, never refused
     start = time.perf_counter()
     model, tokenizer, model_dir = load_base(model_cfg, merge_cfg, device)
     log.info("loaded the base in %s on %s (%.1f s)", merge_cfg.dtype, device, time.perf_counter() - start)
@@ -327,6 +329,7 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     gguf_record = None
     if merge_cfg.gguf != "none":
         gguf_record = write_gguf(tmp, tmp / f"{name}-{merge_cfg.gguf}.gguf", merge_cfg.gguf, tokenizer, name)
+    check_written(tmp, "the merged model", inherited)  # qwenft's own faults (a stop list without <|im_end|>...)
     with_llama = gguf_record is not None and wanted(merge_cfg.gguf, merge_cfg.verify_gguf)
     report = run_reload_check(tmp, reference, merge_cfg.dtype, device, model_cfg.attn_implementation,
                               gguf_record["file"] if gguf_record else None, NEW_TOKENS if with_llama else 0)

@@ -32,14 +32,20 @@ log = logging.getLogger("qwenft.train")
 
 
 def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Optional[dict] = None,
-                 data_stats: Optional[dict] = None) -> Path:
+                 data_stats: Optional[dict] = None, inherited: Optional[set] = None) -> Path:
     """Write the final adapter (PEFT format) with tokenizer, generation_config and qwenft.json, atomically.
 
     Call it on rank 0 only. ``state_dict``: the full model state gathered from the ranks when the weights are
     sharded (FSDP, ZeRO-3; ``Accelerator.get_state_dict``); peft picks the adapter weights out of it.
     ``data_stats``: the training data's ``DataBundle.stats`` (the system prompt most training examples carried,
-    the rows held out per source), recorded in qwenft.json (:func:`qwenft.model.save_adapter_meta`).
+    the rows held out per source), recorded in qwenft.json (:func:`qwenft.model.save_adapter_meta`). The doctor
+    checks the adapter before it is published (:func:`qwenft.doctor.guard.check_written`; ``inherited``: the codes
+    found on the base and the init adapter at load).
+
+    Raises:
+        DoctorRefused: the adapter has a fault qwenft must never write (nothing is published; the checkpoints stay).
     """
+    from qwenft.doctor.guard import check_written
     from qwenft.model import save_adapter_meta
 
     final = out_dir / "adapter"
@@ -52,6 +58,7 @@ def save_adapter(model, tokenizer, config: Config, out_dir: Path, state_dict: Op
         tokenizer.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
         save_adapter_meta(str(staging), config, data_stats)
+        check_written(staging, "the adapter", inherited)
         publish_dir(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -180,6 +187,12 @@ def run(config: Config) -> Path:
 
         benchmarks = check_settings(config)  # the questions, read and checked before any model loads
     model_dir = resolve_model_dir(config.model)
+    inherited = set()
+    if main:  # what the base (and an init adapter) bring along: warned about now, not refused in the adapter later
+        from qwenft.doctor.guard import check_loaded
+
+        inherited = check_loaded(model_dir, "the base") | (check_loaded(config.init_adapter, "the init adapter")
+                                                             if config.init_adapter else set())
     tokenizer = load_tokenizer(model_dir, config.model.revision if config.model.source == "hub" else None)
     with dist.main_process_first():  # rank 0 tokenizes and caches, the others read its cache
         bundle = build_run_data(config, tokenizer)
@@ -221,7 +234,7 @@ def run(config: Config) -> Path:
     metrics = None
     if main:
         adapter_dir = save_adapter(model, tokenizer, config, out_dir, state_dict=state_dict,
-                                   data_stats=bundle.stats)
+                                   data_stats=bundle.stats, inherited=inherited)
         metrics = {"train": train_metrics(trainer, seconds, tokens), "data": bundle.stats,
                    "memory": {"train": train_memory}}
         log.info("adapter saved to %s", adapter_dir)

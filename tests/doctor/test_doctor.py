@@ -262,3 +262,40 @@ def test_docs_table_lists_every_code():
     rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip() for line in text.splitlines()
             if line.startswith("| `") and line.count("|") >= 4}
     assert {code: rows.get(code) for code in CODES} == {code: severity for code, (severity, _) in CODES.items()}
+
+
+# --- inside train and merge (qwenft.doctor.guard) -----------------------------------------------------------------
+
+def test_merge_refuses_a_stop_list_without_im_end(qwenft_outputs, tmp_path, monkeypatch):
+    """Were qwenft's merge to write a stop list without <|im_end|> under its ChatML template (its own bug), the merge
+    stops before anything is published."""
+    from qwenft.doctor.guard import DoctorRefused
+    from qwenft.export.merge import merge
+    from tests.conftest import compose_config
+
+    def stops_on_pad_only(model, tokenizer):
+        model.generation_config.eos_token_id = [tokenizer.pad_token_id]
+
+    monkeypatch.setattr("qwenft.export.build.set_end_tokens", stops_on_pad_only)
+    out = tmp_path / "merged"
+    with pytest.raises(DoctorRefused, match="eos-missing-im-end"):
+        merge(compose_config(f"adapter={qwenft_outputs['adapter']}", f"out={out}", "merge.dtype=float32",
+                             command="merge"), device="cpu")
+    assert not out.exists() and not list(tmp_path.glob("merged.tmp-*"))
+
+
+def test_guard_warns_on_load_and_refuses_only_new_own_faults(tiny_dir, tmp_path, caplog):
+    from qwenft.doctor.guard import DoctorRefused, check_loaded, check_written
+
+    path = copy(tiny_dir, tmp_path / "m")
+    edit_json(path / "config.json", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    (path / "generation_config.json").unlink()
+    with caplog.at_level("WARNING", logger="qwenft.doctor"):
+        found = check_loaded(path, "the base")
+    assert found == {"quantization-config-leftover", "generation-config-missing"}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "quantization-config-leftover" in warned[0]  # the stop list is fixed on write
+    assert check_loaded(tmp_path / "absent", "the base") == set()
+    check_written(path, "the output", inherited=found)  # the base's fault, carried along: warned, not refused
+    with pytest.raises(DoctorRefused, match="quantization-config-leftover"):
+        check_written(path, "the output")
