@@ -38,6 +38,12 @@ REFS = {
             "max_position_embeddings 4096 and rope_theta 10000.0 (4k context)",
     "gen7": "Qwen2.5-7B-Instruct's model card: its default decoding is temperature 0.7, top_p 0.8, "
             "repetition_penalty 1.05",
+    "qcfg": "a file of transformers.Qwen2Config calls, each 'From https://huggingface.co/Qwen/Qwen2.5-<size>/blob/main/"
+            "config.json': every key of the 0.5B to 72B base models",
+    "litgpt": "a copy of litgpt's config.py citing each base model's config.json: context (block_size), norm_eps, "
+              "rope_base, layers, heads, KV groups, hidden, intermediate, padded vocab (Qwen2.5, -Coder, -Math)",
+    "lev3": "a training config 'matching defaults in' Qwen2.5-3B-Instruct's config.json (32768 positions, eps 1e-6, "
+            "tied, rope_theta 1e6); a course note checking that file's 32,768-token context",
 }
 
 # The generation_config.json defaults. Instruct models end a turn with <|im_end|> (151645) and stop on
@@ -58,46 +64,42 @@ ALL_CONTEXT = ("max_position_embeddings", "rope_theta", "rms_norm_eps")  # DESIG
 #  max_window_layers, repetition_penalty, unverified config keys, refs). None: not published in a copy read.
 ROWS = [
     ("Qwen2.5-0.5B-Instruct", Q, "0.5B", True, 32768, 1e6, 1e-6, 32768, 21, 1.1, (), ("i05",)),
-    ("Qwen2.5-0.5B", Q, "0.5B", False, 32768, 1e6, 1e-6, 32768, 24, None, (), ("b05",)),
+    ("Qwen2.5-0.5B", Q, "0.5B", False, 32768, 1e6, 1e-6, 32768, 24, None, (), ("b05", "qcfg")),
     ("Qwen2.5-1.5B-Instruct", Q, "1.5B", True, 32768, 1e6, 1e-6, 32768, 21, 1.1, (), ("i15",)),
-    # not verified: no copy of Qwen2.5-1.5B's config.json was found (the card says 32,768 tokens of context)
-    ("Qwen2.5-1.5B", Q, "1.5B", False, 32768, 1e6, 1e-6, None, None, None, ALL_CONTEXT, ("card",)),
-    # not verified: no copy of Qwen2.5-3B-Instruct's config.json was found (the card: 36 layers, 16 / 2 heads,
-    # tied embeddings, 32,768 tokens)
-    ("Qwen2.5-3B-Instruct", Q, "3B", True, 32768, 1e6, 1e-6, None, None, 1.05, ALL_CONTEXT, ("card",)),
-    ("Qwen2.5-3B", Q, "3B", False, 32768, 1e6, 1e-6, 32768, 36, None, (), ("prof", "tf35896")),
+    # base models were published with 131,072 positions from the 1.5B up, except the 3B (32,768)
+    ("Qwen2.5-1.5B", Q, "1.5B", False, 131072, 1e6, 1e-6, 131072, 28, None, (), ("qcfg", "litgpt")),
+    # not verified: sliding_window, max_window_layers (no full copy of the file was found)
+    ("Qwen2.5-3B-Instruct", Q, "3B", True, 32768, 1e6, 1e-6, None, None, 1.05, (), ("lev3", "card")),
+    ("Qwen2.5-3B", Q, "3B", False, 32768, 1e6, 1e-6, 32768, 36, None, (), ("prof", "tf35896", "qcfg")),
     ("Qwen2.5-7B-Instruct", Q, "7B", True, 32768, 1e6, 1e-6, 131072, 28, 1.05, (), ("i7", "gen7")),
-    # base models of 7B and up were published with 131,072 positions (and rms_norm_eps 1e-5 from 14B up)
-    ("Qwen2.5-7B", Q, "7B", False, 131072, 1e6, 1e-6, 131072, 28, None, (), ("prof",)),
+    ("Qwen2.5-7B", Q, "7B", False, 131072, 1e6, 1e-6, 131072, 28, None, (), ("prof", "qcfg")),
     # not verified: rms_norm_eps (the copy read shows the other keys; DESIGN.md's 1e-6 of the 7B kept)
     ("Qwen2.5-14B-Instruct", Q, "14B", True, 32768, 1e6, 1e-6, 131072, 70, 1.05, ("rms_norm_eps",), ("i14",)),
-    ("Qwen2.5-14B", Q, "14B", False, 131072, 1e6, 1e-5, 131072, 48, None, (), ("prof",)),
+    # the base models of 14B and up have rms_norm_eps 1e-5 (their Instruct models 1e-6, where read)
+    ("Qwen2.5-14B", Q, "14B", False, 131072, 1e6, 1e-5, 131072, 48, None, (), ("prof", "qcfg")),
     ("Qwen2.5-32B-Instruct", Q, "32B", True, 32768, 1e6, 1e-6, 131072, 70, 1.05, (), ("i32",)),
-    ("Qwen2.5-32B", Q, "32B", False, 131072, 1e6, 1e-5, 131072, 64, None, (), ("prof",)),
+    ("Qwen2.5-32B", Q, "32B", False, 131072, 1e6, 1e-5, 131072, 64, None, (), ("prof", "qcfg")),
     ("Qwen2.5-72B-Instruct", Q, "72B", True, 32768, 1e6, 1e-6, 131072, 70, 1.05, (), ("i72",)),
-    # not verified: no copy of Qwen2.5-72B's config.json was found (the 14B and 32B bases suggest 131072
-    # positions and rms_norm_eps 1e-5; DESIGN.md's 32768 and 1e-6 are kept until it is read)
-    ("Qwen2.5-72B", Q, "72B", False, 32768, 1e6, 1e-6, None, None, None, ALL_CONTEXT, ("card",)),
-    # Qwen2.5-Coder: not verified: no config.json copy was found; the cards give the shapes (1.5B: 28 layers,
-    # 12 / 2 heads, tied, 1.54 B parameters; 7B: 28 layers, 28 / 4 heads, 7.61 B) and a 32,768-token config
-    # (128k with YaRN)
+    ("Qwen2.5-72B", Q, "72B", False, 131072, 1e6, 1e-5, 131072, 80, None, (), ("qcfg", "litgpt")),
+    # Qwen2.5-Coder: the base models' context, eps and shape read (32,768 positions; 128k with YaRN per the cards);
+    # not verified: the sliding-window keys, and every Instruct model's context keys (no copy found)
     ("Qwen2.5-Coder-1.5B-Instruct", C, "1.5B", True, 32768, 1e6, 1e-6, None, None, 1.1, ALL_CONTEXT, ("card",)),
-    ("Qwen2.5-Coder-1.5B", C, "1.5B", False, 32768, 1e6, 1e-6, None, None, None, ALL_CONTEXT, ("card",)),
+    ("Qwen2.5-Coder-1.5B", C, "1.5B", False, 32768, 1e6, 1e-6, None, None, None, (), ("litgpt", "card")),
     ("Qwen2.5-Coder-7B-Instruct", C, "7B", True, 32768, 1e6, 1e-6, None, None, 1.05, ALL_CONTEXT, ("card",)),
-    ("Qwen2.5-Coder-7B", C, "7B", False, 32768, 1e6, 1e-6, None, None, None, ALL_CONTEXT, ("card",)),
+    ("Qwen2.5-Coder-7B", C, "7B", False, 32768, 1e6, 1e-6, None, None, None, (), ("litgpt", "card")),
     ("Qwen2.5-Coder-14B-Instruct", C, "14B", True, 32768, 1e6, 1e-6, None, None, 1.05, ALL_CONTEXT, ("card",)),
-    ("Qwen2.5-Coder-14B", C, "14B", False, 32768, 1e6, 1e-6, None, None, None, ALL_CONTEXT, ("card",)),
+    ("Qwen2.5-Coder-14B", C, "14B", False, 32768, 1e6, 1e-5, None, None, None, (), ("litgpt",)),
     ("Qwen2.5-Coder-32B-Instruct", C, "32B", True, 32768, 1e6, 1e-6, None, None, 1.05, ALL_CONTEXT, ("card",)),
-    ("Qwen2.5-Coder-32B", C, "32B", False, 32768, 1e6, 1e-6, None, None, None, ALL_CONTEXT, ("card",)),
-    # Qwen2.5-Math: a 4,096-token context and RoPE base 10,000 (the surprise of the family); rms_norm_eps and the
-    # sliding-window keys not verified
+    ("Qwen2.5-Coder-32B", C, "32B", False, 32768, 1e6, 1e-5, None, None, None, (), ("litgpt",)),
+    # Qwen2.5-Math: a 4,096-token context and RoPE base 10,000 (the surprise of the family). Not verified: the
+    # sliding-window keys, and the Instruct models' rms_norm_eps (DESIGN.md's 1e-6 kept; the 72B base has 1e-5)
     ("Qwen2.5-Math-1.5B-Instruct", M, "1.5B", True, 4096, 1e4, 1e-6, None, None, 1.05, ("rms_norm_eps",),
      ("math", "card")),
-    ("Qwen2.5-Math-1.5B", M, "1.5B", False, 4096, 1e4, 1e-6, None, None, None, ("rms_norm_eps",), ("math", "card")),
+    ("Qwen2.5-Math-1.5B", M, "1.5B", False, 4096, 1e4, 1e-6, None, None, None, (), ("math", "litgpt")),
     ("Qwen2.5-Math-7B-Instruct", M, "7B", True, 4096, 1e4, 1e-6, None, None, 1.05, ("rms_norm_eps",),
      ("math", "card")),
-    ("Qwen2.5-Math-7B", M, "7B", False, 4096, 1e4, 1e-6, None, None, None, ("rms_norm_eps",), ("math", "card")),
+    ("Qwen2.5-Math-7B", M, "7B", False, 4096, 1e4, 1e-6, None, None, None, (), ("math", "litgpt")),
     ("Qwen2.5-Math-72B-Instruct", M, "72B", True, 4096, 1e4, 1e-6, None, None, 1.05, ("rms_norm_eps",),
      ("math", "card")),
-    ("Qwen2.5-Math-72B", M, "72B", False, 4096, 1e4, 1e-6, None, None, None, ("rms_norm_eps",), ("math", "card")),
+    ("Qwen2.5-Math-72B", M, "72B", False, 4096, 1e4, 1e-5, None, None, None, (), ("math", "litgpt")),
 ]

@@ -42,8 +42,9 @@ def test_shapes_are_designs(repo_id):
 
 
 def test_context_facts():
-    """Instruct models read 32,768 positions, base models from 7B up were published with 131,072 (where read);
-    Qwen2.5-Math: 4,096 positions and RoPE base 10,000; the others 1e6."""
+    """Instruct models read 32,768 positions, the Qwen2.5 base models but the 0.5B and 3B were published with 131,072;
+    Qwen2.5-Math: 4,096 positions and RoPE base 10,000 (the others 1e6); rms_norm_eps 1e-5 in the base models of 14B
+    and up (where read)."""
     for m in MEMBERS.values():
         c = m.config
         if m.line == "Qwen2.5-Math":
@@ -52,9 +53,12 @@ def test_context_facts():
         assert c["rope_theta"] == 1e6
         if m.instruct or "max_position_embeddings" in m.unverified:
             assert c["max_position_embeddings"] == 32768, m.repo_id
-    assert [by_preset(f"qwen2.5-{s}").config["max_position_embeddings"] for s in ("3b", "7b", "14b", "32b")] == \
-        [32768, 131072, 131072, 131072]
-    assert by_preset("qwen2.5-14b").config["rms_norm_eps"] == by_preset("qwen2.5-32b").config["rms_norm_eps"] == 1e-5
+    sizes = ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")
+    assert [by_preset(f"qwen2.5-{s}").config["max_position_embeddings"] for s in sizes] == \
+        [32768, 131072, 32768, 131072, 131072, 131072, 131072]
+    eps = {m.preset for m in MEMBERS.values() if m.config["rms_norm_eps"] == 1e-5}
+    assert eps == {"qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen2.5-coder-14b", "qwen2.5-coder-32b",
+                   "qwen2.5-math-72b"}
     assert (by_preset("qwen2.5-0.5b-instruct").config["sliding_window"],
             by_preset("qwen2.5-0.5b-instruct").config["max_window_layers"]) == (32768, 21)
 
