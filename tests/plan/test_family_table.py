@@ -105,3 +105,18 @@ def test_long_context_recipe_fits_80gb(recipe_overrides):
     assert config.data.packing and config.train.gradient_checkpointing and config.train.batch_size == 1
     plan = make_plan(config)
     assert plan["budget"]["fits"] and plan["training"]["seq_len"] == 32768
+
+
+def test_131072_tokens_need_yarn():
+    """data.max_seq_len=131072 is accepted; without model.rope_scaling the plan warns and names the YaRN setting, with
+    it the context is 131,072 and nothing is said; the long-context rows are planned from data.max_seq_len 8,192."""
+    plain = make_plan(compose_config("model=qwen2.5-7b-instruct", "data.max_seq_len=131072", "train.batch_size=1",
+                                     command="plan"))
+    assert any("model.rope_scaling" in w and "yarn" in w for w in plain["warnings"])
+    yarn = make_plan(compose_config("model=qwen2.5-7b-instruct", "data.max_seq_len=131072", "train.batch_size=1",
+                                    "model.rope_scaling={rope_type: yarn, factor: 4.0, "
+                                    "original_max_position_embeddings: 32768}", command="plan"))
+    assert yarn["warnings"] == [] and yarn["model"]["architecture"]["max_position_embeddings"] == 131072
+    assert [r["seq_len"] for r in yarn["long_context"]][-1] == 131072
+    short = make_plan(compose_config("model=qwen2.5-7b-instruct", "data.max_seq_len=2048", command="plan"))
+    assert short["long_context"] == []
