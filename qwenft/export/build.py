@@ -173,7 +173,8 @@ def merge_(peft_model, adapter_dir: Path):
 
 def save_merged(model, tokenizer, out_dir: Path, max_shard_size: str) -> None:
     """Save the merged model as safetensors shards, the tokenizer (with its chat template) and a
-    generation_config that stops on every end token (:func:`qwenft.chat.set_end_tokens`)."""
+    generation_config that stops on every end token (:func:`qwenft.chat.set_end_tokens`); with RoPE scaling,
+    config.json carries it as ``rope_scaling`` beside transformers 5's ``rope_parameters``."""
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.use_cache = True
@@ -183,6 +184,12 @@ def save_merged(model, tokenizer, out_dir: Path, max_shard_size: str) -> None:
     config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
     if "quantization_config" in config:  # belt and braces: a merged model is never quantized
         raise QwenftError(f"{out_dir / 'config.json'}: still has a quantization_config after the merge")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        # transformers 5 writes only rope_parameters; readers on transformers 4 (vLLM among them: it copies
+        # rope_scaling into rope_parameters there) read rope_scaling. transformers 5.24 reloads a config with both.
+        config["rope_scaling"] = dict(rope)
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def describe_base(mcfg: ModelConfig, qcfg: QuantConfig, merge: MergeConfig, model_dir: str) -> dict:

@@ -14,13 +14,43 @@ from qwenft.model.vllm_lora import read_adapter_config, vllm_max_lora_rank, vllm
 MAX_METRIC_ROWS = 40
 
 
+def long_context(config: dict) -> Optional[dict]:
+    """The RoPE scaling of a merged ``config.json`` as the card and the serve commands state it, or None without.
+
+    Returns:
+        ``{"rope_type", "factor", "original" (tokens the base was trained on), "context" (tokens the scaled model is
+        for: ``max_position_embeddings``, which :func:`qwenft.model.rope.apply_rope_scaling` set to original x factor
+        for linear and yarn; original x factor for dynamic, whose config keeps the original), "parameters"
+        (``rope_parameters`` as written)}``.
+    """
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default" or not rope.get("factor"):
+        return None
+    positions, factor = int(config["max_position_embeddings"]), float(rope["factor"])
+    original = rope.get("original_max_position_embeddings") or (positions if kind == "dynamic"
+                                                                 else round(positions / factor))
+    return {"rope_type": kind, "factor": factor, "original": int(original),
+            "context": positions if kind != "dynamic" else int(positions * factor), "parameters": dict(rope)}
+
+
 def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path: str,
-                   lora_name: str) -> Dict[str, Optional[str]]:
+                   lora_name: str, rope: Optional[dict] = None) -> Dict[str, Optional[str]]:
     """How to serve a merge, with the paths as written: ``merged`` (``vllm serve OUT``), ``gguf`` (``llama-server -m
     OUT/FILE.gguf``, None without a GGUF), ``ollama`` (``ollama create NAME -f OUT/FILE.Modelfile``, when the GGUF
     record names its Modelfile), and for the adapter itself either ``adapter`` (``vllm serve BASE
     --enable-lora --lora-modules NAME=ADAPTER --max-lora-rank N``, N the smallest value vLLM accepts >= r) or
     ``adapter_problem`` (the line saying why vLLM cannot serve it unmerged: :func:`qwenft.model.vllm_lora.vllm_support`).
+
+    With ``rope`` (:func:`long_context` of the merged config.json) the vLLM commands carry the scaled context as
+    ``--max-model-len`` (vLLM derives original x factor for yarn but ``max_position_embeddings`` x factor for linear
+    and dynamic, vllm/config/model.py ``_get_and_verify_max_len``: too long for a linear merge, whose
+    max_position_embeddings is already scaled), and the adapter's command, whose base config.json has no scaling,
+    adds it with ``--hf-overrides '{"rope_scaling": {...}}'`` (the form Qwen documents for vLLM; ``rope_theta``
+    inside, so transformers 5, which maps ``rope_scaling`` onto ``rope_parameters``, keeps the base's). The merged
+    directory's config.json carries the scaling itself, and the GGUF llama.cpp's rope.scaling keys
+    (:func:`qwenft.export.gguf_file.rope_scaling_keys`): llama-server needs no flag (its default context is the
+    GGUF's context_length, the scaled one).
 
     Args:
         out: The merged directory (absolute, where ``qwenft merge`` writes it).
@@ -30,8 +60,9 @@ def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path
         lora_name: The name requests use for the adapter (``"model": NAME``); made shell- and URL-safe here.
     """
     quote = shlex.quote
+    length = f" --max-model-len {rope['context']}" if rope else ""
     commands: Dict[str, Optional[str]] = {
-        "merged": f"vllm serve {quote(str(out))}",
+        "merged": f"vllm serve {quote(str(out))}{length}",
         "gguf": f"llama-server -m {quote(str(out / gguf['file']))}" if gguf else None,
         "ollama": _ollama_command(out, gguf["file"], gguf["modelfile"]) if gguf and gguf.get("modelfile") else None,
         "adapter": None, "adapter_problem": None}
@@ -43,7 +74,22 @@ def serve_commands(out: Path, gguf: Optional[dict], adapter_dir: Path, base_path
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", lora_name).strip("-") or "adapter"
         commands["adapter"] = (f"vllm serve {quote(base_path)} --enable-lora --lora-modules "
                                f"{quote(f'{name}={adapter_dir}')} --max-lora-rank {vllm_max_lora_rank(config['r'])}")
+        if rope:
+            overrides = json.dumps({"rope_scaling": rope["parameters"]}, separators=(",", ":"))
+            commands["adapter"] += f" --hf-overrides {quote(overrides)}{length}"
     return commands
+
+
+def _long_context_section(rope: dict) -> List[str]:
+    names = {"yarn": "YaRN", "linear": "linear (position interpolation)", "dynamic": "dynamic NTK"}
+    return ["", "## Long context", "",
+            f"- RoPE scaling: {names.get(rope['rope_type'], rope['rope_type'])}, factor {rope['factor']:g}, over the "
+            f"base's original {rope['original']:,}-token window: a context of {rope['context']:,} tokens "
+            "(config.json `rope_parameters`, and `rope_scaling` for readers on transformers 4; the GGUF carries "
+            "llama.cpp's `rope.scaling` keys, so llama-server needs no flag).",
+            "- The scaling is static: it applies to every input, short ones too, and static YaRN can hurt short "
+            "texts (Qwen's model cards say to add it only where long inputs are expected). This model was fine-tuned "
+            "with it applied, so serve it with it; for short inputs the base without scaling may do better."]
 
 
 def _ollama_command(out: Path, gguf_file: str, modelfile: str) -> str:
@@ -110,7 +156,7 @@ def eval_table(run_dir: Path) -> Optional[str]:
 
 def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, verification: dict,
                run_dir: Optional[Path], gguf: Optional[dict], out: Optional[Path] = None,
-               serve: Optional[Dict[str, Optional[str]]] = None) -> str:
+               serve: Optional[Dict[str, Optional[str]]] = None, rope: Optional[dict] = None) -> str:
     """README.md text for the merged directory.
 
     Args:
@@ -123,6 +169,7 @@ def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, ver
         gguf: The GGUF file record, or None.
         out: The directory's absolute path as written, and ``serve``: :func:`serve_commands` for it; with both, a
             "Serve" section.
+        rope: :func:`long_context` of the merged config.json: a "Long context" section (None: no scaling).
     """
     lines = [f"# {out_name}", "",
              f"A standalone model: the LoRA adapter merged into **{base['name']}** ({base['source']}: "
@@ -132,6 +179,8 @@ def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, ver
              f'tokenizer = AutoTokenizer.from_pretrained("{out_name}")', "```"]
     if out is not None and serve is not None:
         lines += _serve_section(out, serve, base.get("trained_on", ""))
+    if rope:
+        lines += _long_context_section(rope)
     lines += ["", "## Base and merge", "",
              f"- trained on: {base['trained_on']} base; merged into: {base['merged_into']}",
              f"- merged weights: {merge['dtype']}, safetensors shards of at most {merge['max_shard_size']}",
@@ -236,7 +285,7 @@ def handoff_lines(record: dict, out: Path) -> List[Tuple[str, str]]:
     """``(artifact, command)``: the command that serves each artifact: ``vllm serve`` for the 16-bit and
     compressed-tensors directories, ``llama-server -m`` and ``ollama create`` (its Modelfile) for each GGUF."""
     quote = shlex.quote
-    lines = [("16-bit", f"vllm serve {quote(str(out))}")]
+    lines = [("16-bit", (record.get("serve") or {}).get("merged") or f"vllm serve {quote(str(out))}")]
     ggufs = ([(f"gguf-{record['gguf']['type']}", record["gguf"]["file"], record["gguf"].get("modelfile"))]
              if record.get("gguf") else [])
     for method, entry in (record.get("quantized") or {}).items():

@@ -88,6 +88,47 @@ def _plan(shape: Tuple[int, ...], qtype: str):
     return gguf.GGMLQuantizationType.F16, np.float16, shape, numel * 2
 
 
+def rope_scaling_keys(config: dict, arch: str = "qwen2") -> Dict[str, object]:
+    """llama.cpp's RoPE-scaling metadata for a merged ``config.json`` (``{GGUF key: value}``, empty without scaling).
+
+    The keys are the ones llama.cpp's loader reads for every architecture (``llama_model::load_hparams``:
+    ``{arch}.rope.scaling.type``, ``.factor``, ``.original_context_length``; its default type is linear with factor
+    1), written as its converter writes them from a transformers config (``convert_hf_to_gguf.py``, ``TextModel``):
+
+    - ``yarn``: type ``yarn``, ``factor``, ``original_context_length`` = ``original_max_position_embeddings``
+      (llama.cpp's ``n_ctx_orig_yarn``: the window whose frequencies YaRN keeps). llama.cpp then takes YaRN's
+      extrapolation factor 1, ``beta_fast`` 32, ``beta_slow`` 1 and the attention factor ``0.1 ln(factor) + 1``
+      (llama-context.cpp), transformers' defaults (modeling_rope_utils.py, ``_compute_yarn_parameters``).
+    - ``linear``: type ``linear`` and ``factor`` (llama.cpp's ``rope_freq_scale`` = 1 / factor).
+
+    Raises:
+        QwenftError: ``dynamic`` (llama.cpp's types are none, linear, yarn and longrope: no NTK-by-length
+            scaling), or a YaRN knob set away from the defaults above (``attention_factor``, ``beta_fast``,
+            ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``truncate``), which llama.cpp's qwen2 would not read the
+            same way; the message names the ``model.rope_scaling`` key.
+    """
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise QwenftError(f"GGUF export: model.rope_scaling.rope_type={kind} has no llama.cpp equivalent (its "
+                          "rope.scaling.type is none, linear, yarn or longrope); merge without merge.gguf, or train "
+                          "with rope_type=yarn")
+    defaults = {"attention_factor": None, "beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
+                "truncate": True}
+    for name, default in defaults.items():
+        if rope.get(name) is not None and rope[name] != default:
+            raise QwenftError(f"GGUF export: model.rope_scaling.{name}={rope[name]} is not written: llama.cpp's "
+                              f"qwen2 uses {default if default is not None else 'the value from factor'}; merge "
+                              "without merge.gguf, or leave it unset")
+    keys: Dict[str, object] = {f"{arch}.rope.scaling.type": kind, f"{arch}.rope.scaling.factor": float(rope["factor"])}
+    if kind == "yarn":
+        original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        keys[f"{arch}.rope.scaling.original_context_length"] = int(original)
+    return keys
+
+
 def write_gguf(model_dir: Path, path: Path, qtype: str, tokenizer, name: str) -> dict:
     """Write the merged model in ``model_dir`` as one GGUF file ``path``.
 
@@ -102,8 +143,8 @@ def write_gguf(model_dir: Path, path: Path, qtype: str, tokenizer, name: str) ->
         ``{"file", "type", "tensors", "bytes"}``.
 
     Raises:
-        QwenftError: not a qwen2 model, RoPE scaling or sliding window (not written here), or a weight
-            outside the float16 range.
+        QwenftError: not a qwen2 model, RoPE scaling llama.cpp has no equivalent for (:func:`rope_scaling_keys`),
+            sliding window (not written here), or a weight outside the float16 range.
     """
     import gguf
     import numpy as np
@@ -114,8 +155,7 @@ def write_gguf(model_dir: Path, path: Path, qtype: str, tokenizer, name: str) ->
     if config.get("model_type") != "qwen2":
         raise QwenftError(f"GGUF export writes qwen2 models; {model_dir} is {config.get('model_type')!r}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise QwenftError(f"GGUF export: RoPE scaling {rope} is not written; merge without merge.gguf")
+    rope_keys = rope_scaling_keys(config)
     if config.get("use_sliding_window"):
         raise QwenftError("GGUF export: use_sliding_window=true is not supported by llama.cpp's qwen2")
     rope_theta = rope.get("rope_theta", config.get("rope_theta"))
@@ -125,6 +165,10 @@ def write_gguf(model_dir: Path, path: Path, qtype: str, tokenizer, name: str) ->
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
+    # llama.cpp's n_ctx_train: config.json's max_position_embeddings, which with linear / yarn scaling is already the
+    # scaled context (original x factor: qwenft.model.rope.apply_rope_scaling). llama-server's default context (-c 0)
+    # is n_ctx_train, so it serves the whole scaled window and warns only past it; YaRN's own window travels in
+    # rope.scaling.original_context_length, and transformers reads context_length back as max_position_embeddings.
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(n_layers)
@@ -132,6 +176,13 @@ def write_gguf(model_dir: Path, path: Path, qtype: str, tokenizer, name: str) ->
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(float(rope_theta))
+    for key, value in rope_keys.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.MOSTLY_F16))
     if qtype == "q8_0":

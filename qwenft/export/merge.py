@@ -49,7 +49,7 @@ from qwenft.config import Config, ModelConfig, QuantConfig, QwenftError
 from qwenft.config.export import QUANTIZE_KEYS
 from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
-from qwenft.export.card import model_card, serve_commands
+from qwenft.export.card import long_context, model_card, serve_commands
 from qwenft.export.llama_check import NEW_TOKENS, verify_with_llama, wanted
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
 from qwenft.files import publish_mode, staging_dir
@@ -361,9 +361,10 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
         gguf_record["modelfile"] = write_modelfile(tmp, gguf_record["file"], (meta or {}).get("system_prompt"),
                                                    tokenizer)
     out = tmp.parent / name  # where _commit renames tmp to: the paths the serve commands name
+    rope = long_context(json.loads((tmp / "config.json").read_text(encoding="utf-8")))
     serve = serve_commands(out, gguf_record, adapter_dir, base["path"],
-                           (meta or {}).get("run_name") or adapter_dir.parent.name)
-    card = model_card(name, base, meta, settings, verification, adapter_dir.parent, gguf_record, out, serve)
+                           (meta or {}).get("run_name") or adapter_dir.parent.name, rope)
+    card = model_card(name, base, meta, settings, verification, adapter_dir.parent, gguf_record, out, serve, rope)
     (tmp / "README.md").write_text(card, encoding="utf-8")
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != OWNER}
     for file in files:

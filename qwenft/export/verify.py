@@ -4,7 +4,10 @@ The reference is adapter-on-base (the unmerged ``PeftModel`` on exactly the base
 fixed chat prompts before the merge. The check runs in a subprocess that imports only torch, transformers
 and safetensors (never qwenft), so it sees what a user of the directory sees: it loads the directory with
 ``AutoModelForCausalLM`` / ``AutoTokenizer``, renders the prompts with the saved chat template, and returns
-the logits and greedy generations. With a GGUF it loads that file too (``gguf_file=``).
+the logits and greedy generations. With a GGUF it loads that file too (``gguf_file=``). transformers' GGUF reader
+does not read qwen2's ``rope.scaling.*`` keys: the check reads them with ``gguf``'s own reader, requires llama.cpp's
+keys for config.json's RoPE scaling (:func:`qwenft.export.gguf_file.rope_scaling_keys`), and loads the GGUF's weights
+with config.json's ``rope_parameters`` (llama.cpp, ``merge.verify_gguf``, then runs the keys themselves).
 """
 
 from __future__ import annotations
@@ -232,11 +235,20 @@ if spec["long_new_tokens"]:  # the longer greedy runs the llama.cpp check compar
     save_file(long_steps, str(out / "hf_long_steps.safetensors"))
 del model
 if spec.get("gguf_file"):
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    fields = GGUFReader(str(Path(spec["model_dir"]) / spec["gguf_file"])).fields
+    report["gguf_rope"] = {k: f.contents() for k, f in fields.items() if ".rope.scaling." in k}
     gtok = AutoTokenizer.from_pretrained(spec["model_dir"], gguf_file=spec["gguf_file"])
     report["gguf_prompt_ids"] = prompt_ids(gtok)
     report["gguf_chat_template"] = gtok.chat_template == tok.chat_template
-    gmodel = AutoModelForCausalLM.from_pretrained(spec["model_dir"], gguf_file=spec["gguf_file"], dtype=dtype,
-                                                  attn_implementation=spec["attn"], device_map={"": spec["device"]})
+    gconfig = AutoConfig.from_pretrained(spec["model_dir"], gguf_file=spec["gguf_file"])
+    if spec["rope_parameters"]:  # transformers' GGUF reader skips qwen2's rope.scaling keys (read above instead)
+        gconfig.rope_parameters = spec["rope_parameters"]
+    gmodel = AutoModelForCausalLM.from_pretrained(spec["model_dir"], gguf_file=spec["gguf_file"], config=gconfig,
+                                                  dtype=dtype, attn_implementation=spec["attn"],
+                                                  device_map={"": spec["device"]})
     gmodel.eval()
     report["gguf_tie_word_embeddings"] = bool(gmodel.config.tie_word_embeddings)
     run(gmodel, "gguf")
@@ -261,9 +273,14 @@ def run_reload_check(model_dir: Path, ref: Reference, dtype: str, device: str, a
     """
     from safetensors.torch import load_file
 
+    from qwenft.export.gguf_file import rope_scaling_keys
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    rope = config.get("rope_parameters") or {}
     spec = {"model_dir": str(model_dir), "dtype": dtype, "device": device, "attn": attn_implementation,
             "texts": ref.texts, "prompts": ref.prompts, "max_new_tokens": MAX_NEW_TOKENS,
-            "eos_token_id": ref.eos_token_id, "gguf_file": gguf_file, "long_new_tokens": long_new_tokens}
+            "eos_token_id": ref.eos_token_id, "gguf_file": gguf_file, "long_new_tokens": long_new_tokens,
+            "rope_parameters": rope if rope.get("rope_type", "default") != "default" else None}
     with tempfile.TemporaryDirectory(prefix="qwenft-verify-") as work:
         work_path = Path(work)
         (work_path / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -280,6 +297,8 @@ def run_reload_check(model_dir: Path, ref: Reference, dtype: str, device: str, a
             report[f"{prefix}_steps"] = load_file(str(work_path / f"{prefix}_steps.safetensors"))
         if long_new_tokens:
             report["hf_long_steps"] = load_file(str(work_path / "hf_long_steps.safetensors"))
+    if gguf_file:
+        report["gguf_rope_expected"] = rope_scaling_keys(config)
     return report
 
 
@@ -317,6 +336,9 @@ def check_report(ref: Reference, report: dict, dtype: str, tied: bool, gguf_type
             problems.append("gguf: its tokenizer renders the prompts to other token ids")
         if not report["gguf_chat_template"]:
             problems.append("gguf: its chat template differs from the tokenizer's")
+        if report["gguf_rope"] != report["gguf_rope_expected"]:
+            problems.append(f"gguf: its RoPE scaling keys {report['gguf_rope']} are not config.json's "
+                            f"{report['gguf_rope_expected']}")
         if report["gguf_tie_word_embeddings"] != tied:
             problems.append(f"gguf: tie_word_embeddings loads as {report['gguf_tie_word_embeddings']}")
     return {"merge": merged, "gguf": gguf, "problems": problems}
