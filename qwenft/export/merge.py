@@ -50,6 +50,7 @@ from qwenft.config.export import QUANTIZE_KEYS
 from qwenft.export.build import (attach_adapter, describe_base, load_base, merge_, nf4_round_trip_,
                                  retie_, save_merged, untie_)
 from qwenft.export.card import long_context, model_card, serve_commands
+from qwenft.export.gguf_file import rope_scaling_keys
 from qwenft.export.llama_check import NEW_TOKENS, verify_with_llama, wanted
 from qwenft.export.verify import VerificationError, check_report, compute_reference, run_reload_check
 from qwenft.files import publish_mode, staging_dir
@@ -230,6 +231,8 @@ def merge(config: Config, device: Optional[str] = None) -> Path:
 
     adapter_dir, out = _paths(config)
     model_cfg, quant_cfg, why = resolve_base(config.model, config.quant, adapter_dir)
+    if config.merge.gguf != "none":  # RoPE scaling llama.cpp cannot take stops here, before any model loads
+        rope_scaling_keys({"rope_parameters": model_cfg.rope_scaling.as_dict(), "max_position_embeddings": 1})
     request = _request(adapter_dir, model_cfg, quant_cfg, config)
     done = not config.merge.overwrite and _already_done(out, request)
     if config.merge.quantize:  # bad requests stop here, before the merge (minutes) and before any model loads

@@ -266,3 +266,17 @@ def test_long_sequences_are_accepted_with_packing_and_checkpointing():
     assert sorted(i for row in rows for i in row) == [0, 1, 2, 3]
     assert all(sum(lengths[i] for i in row) <= 131072 for row in rows) and len(rows) == 3
     assert chunk_tokens(152064) * 152064 * 4 <= 64 << 20  # a 131k row's loss holds one chunk's logits at a time
+
+
+def test_merge_refuses_a_gguf_of_dynamic_scaling_before_loading(tmp_path, monkeypatch):
+    from qwenft.config import QwenftError
+    from qwenft.export import merge as merge_module
+    from qwenft.export.merge import merge
+    from tests.export.conftest import make_adapter
+
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(adapter, "quant=none", "model.rope_scaling.rope_type=dynamic", "model.rope_scaling.factor=2.0")
+    monkeypatch.setattr(merge_module, "load_base", lambda *a, **k: pytest.fail("loaded the base"))
+    with pytest.raises(QwenftError, match=r"model\.rope_scaling\.rope_type=dynamic has no llama\.cpp equivalent"):
+        merge(merge_config(adapter, tmp_path / "merged", "merge.gguf=f16"), device="cpu")
+    assert not (tmp_path / "merged").exists()
