@@ -9,6 +9,8 @@ attn_norm, ffn_norm, output_norm, output). Q/K weights are written as they are: 
 them for qwen2 (it uses NEOX-style RoPE, as HF does). 1-D tensors (norms, biases) stay float32; 2-D weights
 are float16, or Q8_0 (blocks of 32 int8 with a float16 scale) where a row is a multiple of 32.
 A tied model has no ``output`` tensor (llama.cpp then reuses token_embd). Tensors are streamed one at a time.
+RoPE scaling (``model.rope_scaling`` yarn or linear) becomes llama.cpp's ``qwen2.rope.scaling.*`` keys
+(:func:`rope_scaling_keys`), and ``qwen2.context_length`` the scaled context.
 """
 
 from __future__ import annotations
