@@ -299,3 +299,45 @@ def test_guard_warns_on_load_and_refuses_only_new_own_faults(tiny_dir, tmp_path,
     check_written(path, "the output", inherited=found)  # the base's fault, carried along: warned, not refused
     with pytest.raises(DoctorRefused, match="quantization-config-leftover"):
         check_written(path, "the output")
+
+
+def hub_adapter(path: Path, base: str, template: bool = True) -> Path:
+    """An adapter directory as a peft script leaves it for a hub base that is not on this machine: its config, and
+    (``template``) the tokenizer_config.json it was trained with, ChatML."""
+    from tests.doctor.conftest import CHATML
+
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 16, "lora_alpha": 32, "base_model_name_or_path": base,
+        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}), encoding="utf-8")
+    if template:
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>",
+                                                                "pad_token": "<|endoftext|>"}), encoding="utf-8")
+    return path
+
+
+def test_adapter_on_a_hub_base_read_from_the_family_table(tmp_path):
+    """The classic: a base model tuned on ChatML whose stops (the base's generation_config) lack <|im_end|>."""
+    report = diagnose(hub_adapter(tmp_path / "base", "Qwen/Qwen2.5-7B"))
+    assert report.codes() == ["eos-missing-im-end"] and "[151643]" in report.findings[0].message
+    assert any("family table" in line for line in report.info)
+    assert codes(hub_adapter(tmp_path / "instruct", "Qwen/Qwen2.5-7B-Instruct")) == []
+    no_tokenizer = diagnose(hub_adapter(tmp_path / "bare", "Qwen/Qwen2.5-7B", template=False))
+    assert no_tokenizer.codes() == [] and any(line.startswith("skipped: the chat template") for line in
+                                              no_tokenizer.info)
+    unknown = diagnose(hub_adapter(tmp_path / "unknown", "someone/some-model"))
+    assert unknown.codes() == [] and any(line.startswith("skipped: every check of the base") for line in unknown.info)
+
+
+def test_gguf_rope_scaling_keys(qwenft_outputs, tmp_path):
+    """llama.cpp's qwen2.rope.scaling.* against qwen2.context_length (2048 in the tiny GGUF)."""
+    import gguf
+
+    def scaled(name: str, factor: float) -> Path:
+        return rewrite_gguf(qwenft_outputs["gguf"], tmp_path / name, set_values={
+            "qwen2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+            "qwen2.rope.scaling.factor": (factor, gguf.GGUFValueType.FLOAT32),
+            "qwen2.rope.scaling.original_context_length": (1024, gguf.GGUFValueType.UINT32)})
+
+    assert codes(scaled("good.gguf", 2.0)) == []  # 2048 = 1024 x 2
+    assert codes(scaled("bad.gguf", 4.0)) == ["rope-scaling-inconsistent"]
