@@ -341,3 +341,20 @@ def test_gguf_rope_scaling_keys(qwenft_outputs, tmp_path):
 
     assert codes(scaled("good.gguf", 2.0)) == []  # 2048 = 1024 x 2
     assert codes(scaled("bad.gguf", 4.0)) == ["rope-scaling-inconsistent"]
+
+
+def test_train_refuses_an_adapter_whose_stops_lost_im_end(tmp_path):
+    """Were train to save a generation_config without <|im_end|> (its own bug), the adapter is not published and the
+    run ends with one line naming the code; the checkpoints stay."""
+    from tests.conftest import run_train, train_overrides
+
+    patch = ("import qwenft.chat\n"
+             "def stops_on_pad_only(model, tokenizer):\n"
+             "    model.generation_config.eos_token_id = [tokenizer.pad_token_id]\n"
+             "    model.generation_config.pad_token_id = tokenizer.pad_token_id\n"
+             "qwenft.chat.set_end_tokens = stops_on_pad_only\n")
+    out = tmp_path / "run"
+    result = run_train(train_overrides(tmp_path, out, "train.max_steps=2", "train.save_steps=2",
+                                       "train.eval_steps=2"), patch=patch)
+    assert result.returncode == 2 and "eos-missing-im-end" in result.stderr, result.stderr[-2000:]
+    assert not (out / "adapter").exists() and list((out / "checkpoints").glob("checkpoint-*"))
