@@ -9,6 +9,7 @@ none is readable, the checks that need it are named as skipped.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -114,3 +115,36 @@ def find_base(adapter_config: dict, meta: Optional[dict]) -> tuple:
     shown = ", ".join(repr(v) for v in candidates if v) or "none recorded"
     return None, (f"base not readable ({shown}): not a local directory, not in the Hugging Face cache and not in "
                   "qwenft's family table")
+
+
+LORA_NAME = re.compile(r"\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+def projection_shapes(config: dict) -> Dict[str, tuple]:
+    """``{module: (in_features, out_features)}`` of a Qwen2 layer's projections, from its config.json."""
+    hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads") or config.get(
+        "num_attention_heads")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, inter, heads, kv)):
+        return {}
+    head_dim = config.get("head_dim") if isinstance(config.get("head_dim"), int) else hidden // heads
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def shape_mismatches(tensors: Dict[str, Tensor], config: dict) -> List[tuple]:
+    """``(tensor name, its shape, the shape the base needs)`` for each LoRA A/B matrix that does not fit the base's
+    projection (A is [r, in_features], B is [out_features, r])."""
+    shapes = projection_shapes(config)
+    wrong = []
+    for name, tensor in sorted(tensors.items()):
+        found = LORA_NAME.search(name)
+        if not found or found.group(1) not in shapes or len(tensor.shape) != 2:
+            continue
+        inputs, outputs = shapes[found.group(1)]
+        rows, cols = tensor.shape
+        need = [rows, inputs] if found.group(2) == "A" else [outputs, cols]
+        if list(tensor.shape) != need:
+            wrong.append((name, list(tensor.shape), need))
+    return wrong

@@ -198,14 +198,78 @@ def check_rope(view: View, report: Report, max_seq_len: Optional[int]) -> None:
                            rope.get("original_max_position_embeddings"))
     if problem:
         report.add("rope-scaling-inconsistent", f"config.json: {problem}",
-                   "write rope_scaling as Qwen2.5's model cards do: {\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                   "\"original_max_position_embeddings\": 32768} with max_position_embeddings 32768 or 131072")
+                   "write the scaling with the RoPE base inside it, in rope_scaling and rope_parameters alike: "
+                   "{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768, "
+                   "\"rope_theta\": 1000000.0} (Qwen2.5's base), with max_position_embeddings 32768 or 131072")
     context = context_of(view.config)
     if isinstance(max_seq_len, int) and context and max_seq_len > context:
         report.add("rope-trained-past-window", f"trained with data.max_seq_len={max_seq_len} (qwenft.json) but the "
                    f"model is meant for {context} tokens" + ("" if rope else " and has no RoPE scaling"),
                    "train again with model.rope_scaling set (yarn, factor >= data.max_seq_len / "
                    "max_position_embeddings), or with a shorter data.max_seq_len")
+
+
+def declared_theta(config: dict) -> tuple:
+    """``(rope_theta, where)`` as config.json writes it: rope_parameters', else top-level, else rope_scaling's;
+    ``(None, "")`` when it writes none."""
+    for key in ("rope_parameters", None, "rope_scaling"):
+        holder = config.get(key) if key else config
+        value = holder.get("rope_theta") if isinstance(holder, dict) else None
+        if isinstance(value, (int, float)):
+            return float(value), key or "top level"
+    return None, ""
+
+
+def loaded_theta(config: dict) -> tuple:
+    """``(rope_theta, version)``: the RoPE base transformers uses for this Qwen2 config.json (metadata only;
+    ``(None, why)`` when it refuses the config)."""
+    import logging
+
+    import transformers
+
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its warnings on odd scaling are the rope-scaling-inconsistent finding's
+    try:
+        loaded = transformers.Qwen2Config.from_dict(dict(config))
+        rope = getattr(loaded, "rope_parameters", None) or {}
+        value = rope.get("rope_theta") if isinstance(rope, dict) else None
+        value = getattr(loaded, "rope_theta", None) if value is None else value  # transformers 4
+    except Exception as exc:  # noqa: BLE001 -- transformers' validation raises many kinds
+        return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        quiet.setLevel(level)
+    return (float(value) if isinstance(value, (int, float)) else None), transformers.__version__
+
+
+def check_rope_theta(view: View, report: Report, identity: Identity) -> None:
+    """``rope-theta-lost``: the RoPE base transformers loads differs from the one config.json declares, or (none
+    declared) from the family member's: e.g. a ``rope_scaling`` without ``rope_theta`` beside transformers 5's
+    ``rope_parameters`` replaces them, and the base falls back to 10,000."""
+    if not is_qwen2(view.config):
+        return
+    declared, where = declared_theta(view.config)
+    places = [isinstance(view.config.get("rope_theta"), (int, float)),
+              isinstance((view.config.get("rope_parameters") or {}).get("rope_theta"), (int, float))]
+    if sum(places) == 1 and not isinstance(view.config.get("rope_scaling"), dict):
+        loaded, version = declared, ""  # one declaration and nothing to override it: read as written (no import)
+    else:
+        loaded, version = loaded_theta(view.config)
+    if loaded is None:
+        report.note(f"skipped: the RoPE base as transformers loads it (it refuses config.json: {version})")
+        return
+    family = identity.member.config.get("rope_theta") if identity.member is not None else None
+    want = declared if declared is not None else family
+    if want is None or float(want) == loaded:
+        return
+    said = (f"config.json declares rope_theta {declared:,.0f} ({where})" if declared is not None else
+            f"config.json declares no rope_theta ({identity.member.repo_id} uses {float(family):,.0f})")
+    scaling = " (rope_scaling, which has no rope_theta, replaces rope_parameters)" if \
+        isinstance(view.config.get("rope_scaling"), dict) and "rope_theta" not in view.config["rope_scaling"] else ""
+    report.add("rope-theta-lost", f"{said} but transformers {version} loads it with rope_theta {loaded:,.0f}"
+               f"{scaling}: every position is rotated wrongly and the model is degraded without an error",
+               f"write \"rope_theta\": {float(want)} inside rope_scaling and inside rope_parameters (or at the top "
+               "level of config.json when it has neither)")
 
 
 def check_model(view: View, report: Report, need_generation: bool = True, max_seq_len: Optional[int] = None,
@@ -232,4 +296,5 @@ def check_model(view: View, report: Report, need_generation: bool = True, max_se
     check_quantization(view, report)
     check_vocab(view, report, identity)
     check_rope(view, report, max_seq_len)
+    check_rope_theta(view, report, identity)
     return identity

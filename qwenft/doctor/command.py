@@ -5,7 +5,8 @@ lm_head, a leftover quantization_config, shrunk embeddings, inconsistent RoPE sc
 adapters vLLM cannot serve.
 
 Prints one line per finding (``SEVERITY CODE: what; fix: what to do``) after info lines saying what PATH is and
-which checks were skipped, then a summary; ``--json`` prints the same as one JSON object. Exit 0 clean, 1 findings,
+which checks were skipped, then a summary; ``--json`` prints the same as one JSON object (for an unreadable PATH:
+``{"path", "kind": null, "exit_code": 2, "error"}``, the error line on stderr as well). Exit 0 clean, 1 findings,
 2 unreadable (raised as :class:`~qwenft.config.QwenftError`; the CLI prints one line and exits 2). Only metadata is
 read: JSON files, safetensors headers, GGUF key-values.
 """
@@ -37,7 +38,7 @@ def check_adapter(path: Path, report: Report) -> None:
     """An adapter: its base's checks with the adapter's own generation_config and tokenizer on top, what it trains
     on a tied base, its embedding copies, and vLLM's rules (:func:`qwenft.model.vllm_lora.vllm_support`)."""
     from qwenft.doctor.base import read_adapter
-    from qwenft.doctor.checks import View, check_model
+    from qwenft.doctor.checks import View, check_model, declared_theta
     from qwenft.model.vllm_lora import vllm_max_lora_rank, vllm_support
 
     adapter = read_adapter(path)
@@ -49,8 +50,13 @@ def check_adapter(path: Path, report: Report) -> None:
         base_config = dict(base.config)
         if recorded:  # the base as the adapter was trained on it: qwenft applies model.rope_scaling at load
             positions = base_config.get("max_position_embeddings")
+            theta = declared_theta(base_config)[0]  # qwenft keeps the base's RoPE base under the scaling
             base_config["rope_parameters"] = dict(recorded, original_max_position_embeddings=recorded.get(
                 "original_max_position_embeddings") or positions)
+            base_config.pop("rope_scaling", None)
+            if theta:  # in one place, as transformers 5 saves it
+                base_config["rope_parameters"]["rope_theta"] = theta
+                base_config.pop("rope_theta", None)
             if recorded.get("rope_type") in ("yarn", "linear") and isinstance(positions, int):
                 base_config["max_position_embeddings"] = int(base_config["rope_parameters"][
                     "original_max_position_embeddings"] * recorded.get("factor", 1))
@@ -63,6 +69,7 @@ def check_adapter(path: Path, report: Report) -> None:
         identity = check_model(view, report, need_generation=False, max_seq_len=_max_seq_len(adapter.meta),
                                template_known=view.tokenizer is not None)
         _trained_embeddings(adapter, base, report, identity)
+        _base_shapes(adapter, base, report)
     else:
         report.note("skipped: every check of the base (family, template, stops, tie, vocabulary, RoPE)")
     reasons = vllm_support(config)
@@ -98,6 +105,21 @@ def _trained_embeddings(adapter, base, report: Report, identity) -> None:
                 return
 
 
+def _base_shapes(adapter, base, report: Report) -> None:
+    """``adapter-base-mismatch``: LoRA matrices whose shapes do not fit the base's projections."""
+    from qwenft.doctor.base import shape_mismatches
+
+    wrong = shape_mismatches(adapter.tensors, base.config)
+    if wrong:
+        name, shape, need = wrong[0]
+        named = base.names[-1] if base.names else "the base"
+        report.add("adapter-base-mismatch", f"{name} has shape {shape} but on the base ({named}, hidden_size "
+                   f"{base.config.get('hidden_size')}) it must be {need}" + (f"; {len(wrong) - 1} more LoRA matrices "
+                   "do not fit either" if len(wrong) > 1 else "") + ": peft refuses to load it, or a tool that "
+                   "skips it serves the bare base", "use the base the adapter was trained on: set "
+                   "base_model_name_or_path in adapter_config.json to it")
+
+
 def _merge_record(path: Path) -> Optional[dict]:
     """qwenft.json of the adapter a ``qwenft merge`` directory was made from (its qwenft_merge.json names it)."""
     try:
@@ -124,7 +146,7 @@ def check_model_dir(path: Path, report: Report) -> None:
         check_gguf(facts, sub)
         compare_rope(files.config, facts, sub)
         report.note(f"{gguf_path.name}: checked too ({len(sub.findings)} finding(s))")
-        report.findings.extend(sub.findings)
+        report.extend(sub, gguf_path.name)
 
 
 def diagnose(path) -> Report:
@@ -142,6 +164,15 @@ def diagnose(path) -> Report:
     report = Report(str(path), kind)
     if kind == "adapter":
         check_adapter(path, report)
+        if (path / "config.json").is_file():  # a model saved beside its adapter (a trainer's output directory)
+            model = Report(str(path), "model")
+            check_model_dir(path, model)
+            seen = set(report.codes())  # the same files (generation_config, tokenizer) read twice: said once
+            model.findings = [f for f in model.findings if f.code not in seen]
+            report.note(f"this directory holds a model too (config.json, its weights): checked as one as well, "
+                        f"its findings marked \"as a model\" ({len(model.findings)} more finding(s))")
+            report.info += [f"as a model: {line}" for line in model.info]
+            report.extend(model, "as a model", file=None)
     elif kind == "model":
         check_model_dir(path, report)
     else:
@@ -166,6 +197,12 @@ def doctor_command(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("path", help="an adapter directory, a model directory or a .gguf file")
     parser.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     args = parser.parse_args(list(argv or []))
-    report = diagnose(args.path)
+    try:
+        report = diagnose(args.path)
+    except QwenftError as exc:  # --json readers get an object too; the one line still goes to stderr (exit 2)
+        if args.json:
+            print(json.dumps({"path": str(args.path), "kind": None, "exit_code": 2, "error": str(exc)}, indent=2,
+                             ensure_ascii=False))
+        raise
     print(json.dumps(report.as_dict(), indent=2, ensure_ascii=False) if args.json else report.text())
     return report.exit_code

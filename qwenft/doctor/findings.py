@@ -8,7 +8,7 @@ a tool will refuse it); an info line says what the artifact is or which checks w
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # code -> (severity, what it means): the stable list; docs/doctor.md's table lists exactly these (tests/doctor)
 CODES: Dict[str, Tuple[str, str]] = {
@@ -31,6 +31,10 @@ CODES: Dict[str, Tuple[str, str]] = {
     "embedding-rows-shrunk": ("error", "fewer embedding rows than the family member's vocabulary"),
     "tokens-beyond-rows": ("error", "the tokenizer has tokens beyond the embedding rows"),
     "rope-scaling-inconsistent": ("error", "RoPE scaling settings that contradict each other"),
+    "adapter-base-mismatch": ("error", "the adapter's LoRA matrices do not fit the base's projections (trained on "
+                                       "another model size)"),
+    "rope-theta-lost": ("error", "transformers loads another RoPE base (rope_theta) than config.json declares or "
+                                 "the family member has"),
     "rope-trained-past-window": ("warning", "trained on sequences longer than the model's context, without enough "
                                             "RoPE scaling"),
     "rope-gguf-mismatch": ("error", "the GGUF's RoPE scaling differs from config.json's"),
@@ -49,6 +53,7 @@ class Finding:
     severity: str
     message: str
     fix: str
+    file: Optional[str] = None  # the file it is about, when PATH holds several artifacts (a GGUF in a model dir)
 
     def line(self) -> str:
         return f"{self.severity} {self.code}: {self.message}; fix: {self.fix}"
@@ -74,6 +79,15 @@ class Report:
     def note(self, text: str) -> None:
         """An info line: what the artifact is, or which checks were skipped and why."""
         self.info.append(text)
+
+    def extend(self, other: "Report", label: str, file: Optional[str] = "") -> None:
+        """Take ``other``'s findings, their messages prefixed with ``label`` and their ``file`` set to ``file``
+        (by default the label: a GGUF's file name)."""
+        for finding in other.findings:
+            if not finding.message.startswith(f"{label}: "):
+                finding.message = f"{label}: {finding.message}"
+            finding.file = label if file == "" else file
+            self.findings.append(finding)
 
     def codes(self) -> List[str]:
         return [f.code for f in self.findings]

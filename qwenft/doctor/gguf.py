@@ -11,6 +11,7 @@ llama-vocab.cpp), and treats a special token as such only when its type is CONTR
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -23,6 +24,9 @@ from qwenft.doctor.identify import Identity, describe, identify_config
 from qwenft.doctor.template import check_template, ends_turns_with_im_end
 
 CONTROL = 3  # gguf.TokenType.CONTROL
+# llama.cpp's converter fills ids the tokenizer has no token for with "[PAD{id}]" (type UNUSED): text never
+# tokenizes to them and a model cannot emit an id past its rows, so placeholders past the rows are harmless
+PLACEHOLDER = re.compile(r"\[PAD\d+\]")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class GgufFacts:
     n_tokens: int = 0
     tensors: List[str] = field(default_factory=list)
     embed_rows: Optional[int] = None
+    beyond: int = 0  # tokens at ids >= embed_rows, [PADn] placeholders not counted
 
     @property
     def arch(self) -> str:
@@ -57,7 +62,12 @@ def read_gguf(path: Path) -> GgufFacts:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # noqa: BLE001 -- gguf raises ValueError, struct.error, IndexError... on a bad file
-        raise QwenftError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        # numpy's reshape / view of a memory map that ends early, or an index past its end: the file stops short
+        short = isinstance(exc, (IndexError, ValueError)) and any(
+            text in str(exc) for text in ("reshape", "divisor", "out of bounds", "mmap length"))
+        raise QwenftError(f"{path}: not a readable GGUF file: " + (
+            f"truncated (it ends, at {path.stat().st_size} bytes, before the data its header describes): an "
+            "interrupted download or copy?" if short else f"{type(exc).__name__}: {exc}")) from None
     values: Dict[str, object] = {}
     facts = GgufFacts(path, values)
     for name, item in reader.fields.items():
@@ -86,6 +96,10 @@ def read_gguf(path: Path) -> GgufFacts:
         facts.tensors.append(tensor.name)
         if tensor.name == "token_embd.weight":
             facts.embed_rows = int(tensor.shape[-1]) if len(tensor.shape) else None  # ggml order: [cols, rows]
+    if tokens is not None and facts.embed_rows is not None:  # the few tokens past the rows, placeholders not counted
+        texts = (bytes(tokens.parts[part]).decode("utf-8", errors="replace") for part in
+                 tokens.data[facts.embed_rows:])
+        facts.beyond = sum(1 for text in texts if not PLACEHOLDER.fullmatch(text))
     return facts
 
 
@@ -111,7 +125,11 @@ def check_gguf(facts: GgufFacts, report: Report) -> Identity:
     report.note(describe(identity))
     template = facts.values.get("tokenizer.chat_template")
     check_template(report, template if isinstance(template, str) else None, "tokenizer.chat_template", True,
-                   identity.member, identity.instruct)
+                   identity.member, identity.instruct, missing_fix=(
+                       "write it into a copy with the gguf package's gguf-new-metadata (gguf_new_metadata.py): "
+                       "gguf-new-metadata IN.gguf OUT.gguf --chat-template-file chat_template.jinja (or "
+                       "--chat-template-config tokenizer_config.json), or convert again from a model directory "
+                       "whose tokenizer has the template"))
     _special_tokens(facts, report, identity, ends_turns_with_im_end(template if isinstance(template, str) else None))
     _rows(facts, report, identity)
     kind = facts.key("rope.scaling.type")
@@ -167,8 +185,9 @@ def _rows(facts: GgufFacts, report: Report, identity: Identity) -> None:
     if isinstance(want, int) and rows < want:
         report.add("embedding-rows-shrunk", f"token_embd has {rows} rows; {member.repo_id} has {want}",
                    f"convert again from a model whose embeddings keep all {want} rows")
-    elif facts.n_tokens > rows:
-        report.add("tokens-beyond-rows", f"{facts.n_tokens} tokens but token_embd has {rows} rows",
+    elif facts.beyond:
+        report.add("tokens-beyond-rows", f"{facts.n_tokens} tokens but token_embd has {rows} rows ({facts.beyond} "
+                   "real tokens past them, [PADn] placeholders not counted)",
                    "convert again from the model directory the tokenizer belongs to")
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger("qwenft.doctor")
 # qwenft.chat.set_end_tokens, qwenft.export.build.save_merged / retie_, qwenft.export.gguf_file.write_gguf)
 OWN_FAULTS = frozenset({"eos-missing-im-end", "quantization-config-leftover", "tied-lm-head-differs",
                         "lm-head-missing", "tokens-beyond-rows", "embedding-rows-shrunk", "rope-scaling-inconsistent",
-                        "rope-gguf-mismatch", "gguf-special-token-type", "gguf-special-token-id", "gguf-eos-not-end",
+                        "rope-theta-lost", "rope-gguf-mismatch", "gguf-special-token-type", "gguf-special-token-id", "gguf-eos-not-end",
                         "template-missing"})
 
 # Not warned about at load: what qwenft sets right in everything it writes (the stop list, a generation_config),

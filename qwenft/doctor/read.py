@@ -75,11 +75,34 @@ def safetensors_header(path: Path) -> Dict[str, Tensor]:
         begin, end = item.get("data_offsets", (0, 0))
         tensors[name] = Tensor(str(item.get("dtype")), list(item.get("shape", [])), path, 8 + size + begin,
                                8 + size + end)
+    want, have = max((t.end for t in tensors.values()), default=8 + size), path.stat().st_size
+    if have < want:  # the header is intact but the data stops early: every read past the end is garbage
+        raise QwenftError(f"{path}: truncated: its header promises {want} bytes but the file has {have}: an "
+                          "interrupted download or copy?")
     return tensors
+
+
+def _shards_listed(directory: Path) -> None:
+    """Every shard model.safetensors.index.json lists is there.
+
+    Raises:
+        QwenftError: a listed shard is missing (the first one named).
+    """
+    index = read_json(directory / "model.safetensors.index.json", required=False)
+    weight_map = (index or {}).get("weight_map")
+    if not isinstance(weight_map, dict):
+        return
+    missing = sorted({str(f) for f in weight_map.values()} - {p.name for p in directory.glob("*.safetensors")})
+    if missing:
+        raise QwenftError(f"{directory / missing[0]}: missing, though model.safetensors.index.json lists it"
+                          + (f" ({len(missing)} shards missing)" if len(missing) > 1 else "")
+                          + ": an interrupted download or copy?")
 
 
 def weight_headers(directory: Path, prefix: str = "") -> Optional[Dict[str, Tensor]]:
     """Every tensor of the safetensors files in ``directory`` (``prefix*.safetensors``); None when it has none."""
+    if not prefix:
+        _shards_listed(directory)
     files = sorted(directory.glob(f"{prefix}*.safetensors"))
     if not files:
         return None
@@ -204,8 +227,11 @@ def kind_of(path: Path) -> str:
     Raises:
         QwenftError: PATH does not exist, or is none of the three (one line saying what was expected).
     """
+    wanted = "give an adapter directory, a model directory or a .gguf file"
     if not path.exists():
-        raise QwenftError(f"{path}: does not exist; give an adapter directory, a model directory or a .gguf file")
+        raise QwenftError(f"{path}: does not exist; {wanted}")
+    if not path.is_dir() and not path.is_file():
+        raise QwenftError(f"{path}: {_special_file(path)}, not a directory or a file; {wanted}")
     if path.is_file():
         try:
             with open(path, "rb") as handle:
@@ -214,11 +240,26 @@ def kind_of(path: Path) -> str:
             raise QwenftError(f"{path}: cannot be read ({exc.strerror})") from None
         if magic == GGUF_MAGIC:
             return "gguf"
-        raise QwenftError(f"{path}: not a GGUF file (it does not start with 'GGUF'); give an adapter directory, "
-                          "a model directory or a .gguf file")
+        if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
+            raise QwenftError(f"{path}: a safetensors file, one part of a model or adapter; pass its directory "
+                              f"({path.parent})")
+        said = "an empty file" if not magic else "not a GGUF file (it does not start with 'GGUF')"
+        raise QwenftError(f"{path}: {said}; {wanted}")
     if (path / "adapter_config.json").is_file():
         return "adapter"
     if (path / "config.json").is_file():
         return "model"
     raise QwenftError(f"{path}: a directory with neither adapter_config.json (an adapter) nor config.json (a model); "
-                      "give an adapter directory, a model directory or a .gguf file")
+                      f"{wanted}")
+
+
+def _special_file(path: Path) -> str:
+    """What a path that is neither a directory nor a regular file is, in words."""
+    import stat
+
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"

@@ -81,7 +81,7 @@ def ends_turns_with_im_end(template: Optional[str]) -> bool:
 
 
 def check_template(report: Report, template: Optional[str], where: str, qwen2: bool, family: Optional[object],
-                   instruct: Optional[bool]) -> None:
+                   instruct: Optional[bool], missing_fix: Optional[str] = None) -> None:
     """The template findings for the template of ``where`` (a file name, or the GGUF key).
 
     Args:
@@ -89,13 +89,14 @@ def check_template(report: Report, template: Optional[str], where: str, qwen2: b
         qwen2: the model is a Qwen2 (ChatML expected).
         family: the family member it is (None: not a member; the system prompt is then not checked).
         instruct: an Instruct model (True), a base model (False) or unknown (None).
+        missing_fix: the fix for ``template-missing`` (a GGUF's differs); None: a model directory's.
     """
     if not qwen2:
         return
     if not template:
-        report.add("template-missing", f"no chat template ({where})",
+        report.add("template-missing", f"no chat template ({where})", missing_fix or (
                    "save the tokenizer of the model you trained from (tokenizer.save_pretrained) or copy its "
-                   "chat_template; llama.cpp's converter writes tokenizer.chat_template from tokenizer_config.json")
+                   "chat_template; llama.cpp's converter writes tokenizer.chat_template from tokenizer_config.json"))
         return
     digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
     if digest in QWEN_TEMPLATE_SHA256:

@@ -218,6 +218,64 @@ def test_gguf_special_token_id(tmp_path):
     assert codes(family_gguf(tmp_path / "moved.gguf", swap_im_end=True)) == ["gguf-special-token-id"]
 
 
+def test_rope_theta_lost(tiny_dir, tmp_path):
+    """A transformers-5 config.json (rope_theta only in rope_parameters) given a rope_scaling without rope_theta, as
+    Qwen2.5's model cards write it: transformers 5 loads the RoPE base as 10,000, silently."""
+    from transformers import AutoConfig
+
+    path = copy(tiny_dir, tmp_path / "m")  # 2048 positions = 1024 x 2: a consistent YaRN x2
+    scaling = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}
+    edit_json(path / "config.json", rope_scaling=scaling)
+    report = diagnose(path)
+    assert report.codes() == ["rope-theta-lost"] and "1,000,000" in report.findings[0].message
+    assert '"rope_theta": 1000000.0 inside rope_scaling' in report.findings[0].fix
+    config = json.loads((path / "config.json").read_text())  # the fix as its text says, checked by transformers
+    edit_json(path / "config.json", rope_scaling=dict(scaling, rope_theta=1e6),
+              rope_parameters=dict(config["rope_parameters"], rope_theta=1e6))
+    assert codes(path) == [] and AutoConfig.from_pretrained(path).rope_parameters["rope_theta"] == 1e6
+    # no rope_theta written at all: the family member's (1,000,000) against transformers' default
+    family = family_dir(tmp_path / "f", rope_theta=None)
+    edit_json(family / "config.json", rope_theta=None)
+    assert codes(family) == ["rope-theta-lost"] and "declares no rope_theta" in diagnose(family).findings[0].message
+    edit_json(family / "config.json", rope_theta=1e6)  # the fix: at the top level when neither dict is there
+    assert codes(family) == []
+
+
+def test_rope_scaling_inconsistent_fix_text_loads_right(tmp_path):
+    """The fix text of rope-scaling-inconsistent, applied as written, gives a config transformers loads with
+    Qwen2.5's RoPE base (the old text, without rope_theta, led to rope-theta-lost)."""
+    import re
+
+    from transformers import AutoConfig
+
+    path = family_dir(tmp_path / "f", max_position_embeddings=65536,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    edit_json(path / "config.json", rope_theta=None)
+    report = diagnose(path)
+    assert report.codes() == ["rope-scaling-inconsistent", "rope-theta-lost"]
+    scaling = json.loads(re.search(r"\{.*?\}", report.findings[0].fix).group(0))
+    edit_json(path / "config.json", rope_scaling=scaling, rope_parameters=scaling, max_position_embeddings=131072)
+    assert codes(path) == [] and AutoConfig.from_pretrained(path).rope_parameters["rope_theta"] == 1e6
+
+
+def test_adapter_base_mismatch(tmp_path):
+    """A 0.5B adapter (896 wide) whose base_model_name_or_path names the 7B (3584 wide)."""
+    from tests.doctor.conftest import header_only_safetensors
+
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{prefix}.lora_A.weight": ("F32", (16, 896)), f"{prefix}.lora_B.weight": ("F32", (896, 16))}
+    wrong = hub_adapter(tmp_path / "wrong", "Qwen/Qwen2.5-7B-Instruct")
+    header_only_safetensors(wrong / "adapter_model.safetensors", tensors)
+    report = diagnose(wrong)
+    assert report.codes() == ["adapter-base-mismatch"]
+    assert f"{prefix}.lora_A.weight has shape [16, 896]" in report.findings[0].message
+    assert "[16, 3584]" in report.findings[0].message and "1 more" in report.findings[0].message
+    right = hub_adapter(tmp_path / "right", "Qwen/Qwen2.5-0.5B-Instruct")
+    header_only_safetensors(right / "adapter_model.safetensors", tensors)
+    assert codes(right) == []
+
+
 def test_every_code_has_a_test():
     text = Path(__file__).read_text(encoding="utf-8")
     assert [code for code in CODES if f'"{code}"' not in text.split("def test_every_code_has_a_test")[0]] == []

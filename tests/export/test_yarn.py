@@ -180,6 +180,9 @@ def test_yarn_merge_writes_the_scaling_for_every_reader(yarn_merge):
     assert config["rope_parameters"] == config["rope_scaling"] == expected
     assert config["max_position_embeddings"] == WINDOW * FACTOR
     assert AutoConfig.from_pretrained(yarn_merge).rope_parameters == expected  # transformers 5 reads both keys
+    from qwenft.doctor.command import diagnose
+
+    assert diagnose(yarn_merge).codes() == []  # rope-theta-lost among them: the RoPE base survives both keys
 
     serve = json.loads((yarn_merge / "qwenft_merge.json").read_text())["serve"]
     assert serve["merged"] == f"vllm serve {yarn_merge} --max-model-len 256"
