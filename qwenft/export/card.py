@@ -183,6 +183,7 @@ def model_card(out_name: str, base: dict, meta: Optional[dict], merge: dict, ver
         lines += _long_context_section(rope)
     lines += ["", "## Base and merge", "",
              f"- trained on: {base['trained_on']} base; merged into: {base['merged_into']}",
+             *([f"- base: {base['base_from']}"] if base.get("base_from") else []),
              f"- merged weights: {merge['dtype']}, safetensors shards of at most {merge['max_shard_size']}",
              "- generation_config stops on every end token (`<|im_end|>` and `<|endoftext|>`)"]
     if gguf:

@@ -5,7 +5,8 @@
 [merge.quantize=[gguf-q4_k_m,gptq,...]] [merge.calibration_rows=128] [merge.calibration_seed=0]``
 
 1. The base comes from the adapter's ``qwenft.json`` (see :func:`qwenft.model.adapter.resolve_base` for when a
-   ``model=`` override wins) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
+   ``model=`` override wins; an adapter made by another tool: its adapter_config.json's base, 16-bit,
+   :mod:`qwenft.model.foreign`) and is loaded in ``merge.dtype``; an adapter trained on NF4 is merged into the
    NF4-dequantized weights unless ``merge.base=original`` (trade-off: :mod:`qwenft.export.build`).
 2. Reference outputs of the adapter on that base are taken, the delta is merged (NaN/inf checked before it is
    committed), and the model is saved as safetensors shards with its tokenizer (chat template), a
@@ -339,9 +340,10 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     log.info("reloaded and compared without qwenft (%.1f s)", time.perf_counter() - start)
     checks = check_report(reference, report, merge_cfg.dtype, tied, merge_cfg.gguf if gguf_record else None)
     merged_check, gguf_check = checks["merge"], checks["gguf"]
-    print(f"merge check (plain transformers reload, {len(reference.prompts)} prompts): max |delta logit| = "
-          f"{merged_check.max_delta:.3g} (tolerance {merged_check.tolerance:g} for {merge_cfg.dtype}); "
-          f"greedy: {', '.join(merged_check.greedy)}")
+    on = "NF4-dequantized" if quant_cfg.method == "nf4" and merge_cfg.base == "dequantized" else "original 16-bit"
+    print(f"merge check (plain transformers reload vs the adapter on the {on} weights, {len(reference.prompts)} "
+          f"prompts): max |delta logit| = {merged_check.max_delta:.3g} (tolerance {merged_check.tolerance:g} for "
+          f"{merge_cfg.dtype}); greedy: {', '.join(merged_check.greedy)}")
     if gguf_check is not None:
         print(f"gguf check ({merge_cfg.gguf}, loaded back through transformers): max |delta logit| = "
               f"{gguf_check.max_delta:.3g} (tolerance {gguf_check.tolerance:g}); "
@@ -354,7 +356,7 @@ def _build(config: Config, adapter_dir: Path, name: str, tmp: Path, model_cfg: M
     if checks["problems"]:
         raise VerificationError("; ".join(checks["problems"]))
 
-    base = describe_base(model_cfg, quant_cfg, merge_cfg, model_dir)
+    base = dict(describe_base(model_cfg, quant_cfg, merge_cfg, model_dir), base_from=why)  # why: the card says it
     verification = {"passed": True, "merge": merged_check.as_dict(),
                     "gguf": gguf_check.as_dict() if gguf_check else None,
                     "llama_cpp": llama.as_dict() if llama else None}

@@ -1,7 +1,8 @@
 """An adapter directory and what it records: ``qwenft.json`` (the base it was trained on, its quantization, LoRA
 and data), the check that a directory is one, and the rule for which base an adapter runs on.
 
-Which base an adapter belongs to: the ``qwenft.json`` that ``qwenft train`` writes beside every adapter.
+Which base an adapter belongs to: the ``qwenft.json`` that ``qwenft train`` writes beside every adapter (for one
+made by another tool, its adapter_config.json's ``base_model_name_or_path``: :mod:`qwenft.model.foreign`).
 
 ``merge`` folds the adapter into that base (:func:`resolve_base`); ``eval``, ``generate`` and ``inspect`` load it
 under the adapter (:func:`inference_config`), so ``adapter=PATH`` alone runs on the model the adapter was trained on.
@@ -224,8 +225,9 @@ def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path,
     Rule: the adapter's ``qwenft.json`` (written by ``qwenft train``) names the base and its quantization.
     Only a ``model=...`` the user typed wins: ``model=PRESET`` or a ``model.source`` / ``path`` / ``revision`` /
     ``tiny.*`` override; a recipe's or preset's default never does, nor a setting that does not change the
-    weights (``model.dtype``, ``model.attn_implementation``). Without ``qwenft.json`` the given ``model`` and
-    ``quant`` are used as they are (the same defaults ``train`` uses), so pass the ones the adapter was trained with.
+    weights (``model.dtype``, ``model.attn_implementation``). Without ``qwenft.json`` (an adapter made by another
+    tool) the base is adapter_config.json's ``base_model_name_or_path`` unless ``model=...`` was typed, on its
+    16-bit weights unless ``quant=...`` was typed (:func:`qwenft.model.foreign.foreign_base`).
 
     Args:
         typed: the override strings the user typed; None: those of the running Hydra job
@@ -236,12 +238,17 @@ def resolve_base(model: ModelConfig, quant: QuantConfig, adapter_dir: Path,
         ``(model, quant, why)``: ``why`` is a short phrase for the log and the model card.
 
     Raises:
-        QwenftError: ``qwenft.json`` is unreadable or holds invalid values.
+        QwenftError: ``qwenft.json`` is unreadable or holds invalid values; without it, a base path that is gone.
     """
     typed = typed_overrides() if typed is None else typed
     meta = read_adapter_meta(adapter_dir)
     if meta is None:
-        return model, quant, f"from the command line (no {ADAPTER_META} beside the adapter)"
+        from qwenft.model.foreign import foreign_base
+
+        keys = typed_keys(typed) if typed is not None else None
+        quant_typed = (any(getattr(quant, k) != getattr(QuantConfig(), k) for k in QUANT_TRAINED_KEYS) if keys is None
+                       else bool(_typed(keys, "quant", QUANT_TRAINED_KEYS)))
+        return foreign_base(model, quant, adapter_dir, _model_typed(model, typed), quant_typed)
     source = adapter_dir / ADAPTER_META
     saved_quant = _from_meta("quant", QuantConfig, meta.get("quant") or {"method": "none"}, source)
     if _model_typed(model, typed):
@@ -320,8 +327,8 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
     the adapter was trained with (``qwenft.json``'s ``system_prompt``: ``data.system_prompt``, or the system turn
     most training rows carried) is used unless ``data.system_prompt`` was typed. ``eval`` reads the data the
     adapter was trained on unless data or a recipe was typed (:func:`eval_data`), and starts from the eval settings
-    its run recorded, typed keys on top (:func:`qwenft.model.eval_record.restore_eval`). Without ``adapter``, or
-    without ``qwenft.json``, ``config`` is returned as it is.
+    its run recorded, typed keys on top (:func:`qwenft.model.eval_record.restore_eval`). Without ``adapter``,
+    ``config`` as it is; without ``qwenft.json``, only the model and quantization :func:`resolve_base` gives.
 
     Args:
         typed: the override strings the user typed; None: those of the running Hydra job
@@ -338,10 +345,13 @@ def inference_config(config: Config, typed: Optional[Sequence[str]] = None) -> C
     keys = typed_keys(typed) if typed is not None else None
     adapter_dir = Path(config.adapter).expanduser()
     meta = read_adapter_meta(adapter_dir)
-    if meta is None:
+    if meta is None:  # made by another tool: the base its adapter_config.json names, 16-bit (resolve_base)
         if config.command == "eval":
             config.check_gates()  # not checked at composition: see Config.__post_init__
-        return config
+        model, quant, why = resolve_base(config.model, config.quant, adapter_dir, typed=typed)
+        if model != config.model or quant != config.quant:
+            log.info("base model %s (%s), quant=%s", model.name, why, quant.method)
+        return dataclasses.replace(config, model=model, quant=quant)
     if config.command == "eval":  # the run's held-out rows, then its eval settings (its gates name those sources)
         config = eval_data(config, meta, adapter_dir / ADAPTER_META, keys)
         config = restore_eval(config, meta, adapter_dir / ADAPTER_META, keys)

@@ -58,7 +58,7 @@ def _add(member: Member) -> None:
 
 def _build() -> None:
     """Fill :data:`MEMBERS` from :data:`qwenft.model.family_table.ROWS` (the numbers live there, once)."""
-    from qwenft.model import family_table as table
+    import qwenft.model.family_table as table  # not from qwenft.model (a cycle via foreign.py)
 
     for (name, line, size, instruct, positions, theta, eps, window, window_layers, penalty, unverified,
          refs) in table.ROWS:

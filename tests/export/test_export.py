@@ -117,6 +117,121 @@ def test_resolve_base_rule(tmp_path):
     assert model == other.model and quant.method == "none" and "no qwenft.json" in why
 
 
+def peft_adapter(root: Path, targets=("q_proj", "v_proj")):
+    """An adapter saved by a plain peft script (no qwenft.json) on a tiny local base directory copied from the
+    tiny-random model: get_peft_model + save_pretrained, LoRA B seeded random. Returns ``(adapter, base)``."""
+    import shutil
+
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from qwenft.model.tiny import tiny_model_dir
+
+    base = root / "my-base"
+    shutil.copytree(tiny_model_dir(compose_config("model=tiny-random").model.tiny), base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    peft_model.save_pretrained(root / "adapter")
+    return root / "adapter", base
+
+
+def set_base(adapter: Path, value) -> None:
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = value
+    path.write_text(json.dumps(config))
+
+
+def test_resolve_base_of_an_adapter_made_by_another_tool(tmp_path, caplog):
+    """No qwenft.json: the base is adapter_config.json's base_model_name_or_path, on its 16-bit weights."""
+    from qwenft.model.adapter import resolve_base
+
+    adapter, base = peft_adapter(tmp_path)
+    assert read_adapter_meta(adapter) is None
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    plain = compose_config(command="merge")  # the default preset and quant=nf4, as a bare `merge` composes
+    model, quant, why = resolve_base(plain.model, plain.quant, adapter, typed=[f"adapter={adapter}"])
+    assert (model.source, model.path, model.name) == ("local", str(base.resolve()), "my-base")
+    assert model.dtype == plain.model.dtype and quant.method == "none"
+    assert "adapter_config.json" in why and "16-bit" in why and "quant=nf4" in why
+    # Typed quantization wins (an adapter trained with QLoRA), and so does a typed model.
+    _, quant, why = resolve_base(plain.model, plain.quant, adapter, typed=["quant=nf4"])
+    assert quant.method == "nf4" and "quant=nf4 as typed" in why
+    _, quant, _ = resolve_base(plain.model, plain.quant, adapter, typed=["quant.double_quant=false"])
+    assert quant.method == "nf4"
+    other = compose_config("model=tiny-random", command="merge")
+    model, quant, why = resolve_base(other.model, other.quant, adapter, typed=["model=tiny-random"])
+    assert model == other.model and quant.method == "none" and "typed on the command line" in why
+    model, _, _ = resolve_base(other.model, other.quant, adapter, typed=None)  # a library call: not the default
+    assert model == other.model
+    # A Hub id: the family preset when the table knows it (any case), else the id itself.
+    for value in ("Qwen/Qwen2.5-7B-Instruct", "qwen/qwen2.5-7b-instruct"):
+        set_base(adapter, value)
+        model, quant, why = resolve_base(plain.model, plain.quant, adapter, typed=[])
+        preset = compose_config("model=qwen2.5-7b-instruct", command="merge").model
+        assert model == preset and quant.method == "none" and "model=qwen2.5-7b-instruct" in why
+    set_base(adapter, "someone/my-qwen")
+    model, _, _ = resolve_base(plain.model, plain.quant, adapter, typed=[])
+    assert (model.source, model.path) == ("hub", "someone/my-qwen")
+    set_base(adapter, str(tmp_path / "gone"))  # a local base that is not here: one line, what to pass
+    with pytest.raises(QwenftError, match=r"gone is a local directory that does not exist here.*model.path=DIR"):
+        resolve_base(plain.model, plain.quant, adapter, typed=[])
+    # None named: the command line's model, said loudly.
+    for value in ("", None):
+        set_base(adapter, value)
+        with caplog.at_level("WARNING"):
+            model, quant, why = resolve_base(plain.model, plain.quant, adapter, typed=[])
+        assert model == plain.model and quant.method == "none" and "names no base_model_name_or_path" in why
+        assert "adapter_config.json names no base_model_name_or_path" in caplog.text and "model=" in caplog.text
+
+
+def test_inference_commands_use_a_foreign_adapters_base(tmp_path):
+    """eval / generate with an adapter made by another tool: its own base, 16-bit unless quant= is typed."""
+    from qwenft.model.adapter import inference_config
+
+    adapter, base = peft_adapter(tmp_path)
+    for command in ("eval", "generate"):
+        typed = [f"adapter={adapter}", "model.dtype=float32"]
+        resolved = inference_config(compose_config(*typed, command=command), typed=typed)
+        assert (resolved.model.source, resolved.model.path) == ("local", str(base.resolve()))
+        assert resolved.model.dtype == "float32" and resolved.quant.method == "none"
+    typed = [f"adapter={adapter}", "quant=nf4"]
+    assert inference_config(compose_config(*typed, command="eval"), typed=typed).quant.method == "nf4"
+
+
+def test_merge_of_a_foreign_adapter_keeps_the_untouched_weights(tmp_path, caplog):
+    """`merge adapter=PATH out=DIR` of a plain-peft adapter: merged into the base its adapter_config.json names,
+    unquantized, so every weight LoRA did not touch is the base's bit for bit (an NF4 round trip moved them ~10%)."""
+    from safetensors.torch import load_file
+
+    from qwenft.export.merge import merge
+
+    adapter, base = peft_adapter(tmp_path)
+    out = tmp_path / "merged"
+    with caplog.at_level("INFO"):
+        merge(compose_config(f"adapter={adapter}", f"out={out}", "merge.dtype=float32", command="merge"),
+              device="cpu")
+    assert f"base my-base (local) from base_model_name_or_path={base}" in caplog.text
+    assert "NF4 round trip" not in caplog.text
+    original = load_file(str(base / "model.safetensors"))
+    merged = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    touched = [k for k in original if "q_proj.weight" in k or "v_proj.weight" in k]
+    assert touched and set(merged) == set(original)
+    for name, value in original.items():
+        if name not in touched:
+            assert torch.equal(merged[name], value.float()), name
+    assert all(not torch.equal(merged[k], original[k].float()) for k in touched)  # the adapter was merged
+    record = read_record(out)
+    assert record["base"]["merged_into"] == "original 16-bit weights" and record["verification"]["passed"]
+    assert record["base"]["path"] == str(base.resolve()) and "adapter_config.json" in record["base_from"]
+    assert "- base: from base_model_name_or_path=" in (out / "README.md").read_text()
+
+
 def test_inference_commands_use_the_adapters_base(tmp_path):
     """eval / generate / inspect with adapter=PATH alone run on the base named by its qwenft.json."""
     import dataclasses
