@@ -148,3 +148,53 @@ def shape_mismatches(tensors: Dict[str, Tensor], config: dict) -> List[tuple]:
         if list(tensor.shape) != need:
             wrong.append((name, list(tensor.shape), need))
     return wrong
+
+
+def _module_key(tensor_name: str) -> str:
+    """The module a LoRA tensor belongs to, named as peft matches ``target_modules`` against it
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> ``model.layers.0.self_attn.q_proj``)."""
+    key = LORA_NAME.sub(lambda m: "." + m.group(1), tensor_name)
+    return key.removeprefix("base_model.model.")
+
+
+def _targeted(key: str, targets) -> bool:
+    """peft's rule (``check_target_module_exists``): a string is a regex the whole key must match (``all-linear``
+    takes every linear layer); a list names modules by the key or its last dotted parts."""
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, key) is not None
+    return any(key == t or key.endswith(f".{t}") for t in targets or [] if isinstance(t, str))
+
+
+def weight_problems(adapter_config: dict, tensors: Dict[str, Tensor]) -> List[tuple]:
+    """``(code, message, fix)`` for LoRA weights that adapter_config.json does not describe: matrices of modules its
+    ``target_modules`` does not name (peft loads the adapter without an error and leaves them out), and a rank other
+    than its ``r`` (or a ``rank_pattern`` value; peft refuses to load it, vLLM is told the wrong --max-lora-rank).
+
+    Args:
+        adapter_config: adapter_config.json as read.
+        tensors: the adapter's safetensors headers (``{name: Tensor}``); LoRA A is ``[r, in]``, B ``[out, r]``.
+    """
+    problems: List[tuple] = []
+    lora = {name: t for name, t in tensors.items() if LORA_NAME.search(name) and len(t.shape) == 2}
+    targets = adapter_config.get("target_modules")
+    if targets is not None and not adapter_config.get("layers_to_transform"):
+        stray = sorted({_module_key(n) for n in lora if not _targeted(_module_key(n), targets)})
+        if stray:
+            leaves = sorted({s.rsplit(".", 1)[-1] for s in stray})
+            problems.append(("adapter-targets-mismatch", f"the weights hold LoRA matrices of {len(stray)} module(s) "
+                             f"({', '.join(leaves)}; e.g. {stray[0]}) that target_modules={targets!r} does not "
+                             "name: peft loads the adapter without an error and drops them, so the model runs "
+                             "without that part of the training", "restore adapter_config.json's target_modules "
+                             f"to the modules trained (they include {', '.join(leaves)})"))
+    ranks = {adapter_config.get("r")} | set((adapter_config.get("rank_pattern") or {}).values())
+    if all(isinstance(r, int) for r in ranks):
+        for name, tensor in sorted(lora.items()):
+            rank = tensor.shape[0] if LORA_NAME.search(name).group(2) == "A" else tensor.shape[1]
+            if rank not in ranks:
+                problems.append(("adapter-rank-mismatch", f"{name} has rank {rank} (shape {list(tensor.shape)}) but "
+                                 f"adapter_config.json says r={adapter_config.get('r')}: peft refuses to load it "
+                                 "(size mismatch) and vLLM is given the wrong --max-lora-rank",
+                                 f"set \"r\": {rank} in adapter_config.json (the rank the weights were trained "
+                                 "with)"))
+                break
+    return problems

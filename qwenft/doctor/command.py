@@ -44,6 +44,17 @@ def check_adapter(path: Path, report: Report) -> None:
     adapter = read_adapter(path)
     report.note(adapter.base_note)
     config = adapter.adapter_config
+    if not any(path.glob("adapter_model*.safetensors")):
+        pickled = sorted(p.name for p in path.glob("adapter_model*.bin"))
+        if not pickled:
+            raise QwenftError(f"{path}: no adapter_model.safetensors (nor .bin): the adapter's weights are missing "
+                              "(an interrupted copy or save?)")
+        report.note(f"skipped: the checks of the LoRA weights ({', '.join(pickled)} is a pickle, never read; save "
+                    "with safetensors, peft's default)")
+    from qwenft.doctor.base import weight_problems
+
+    for code, message, fix in weight_problems(config, adapter.tensors):
+        report.add(code, message, fix)
     base = adapter.base
     if base is not None:
         recorded = _rope_recorded(adapter.meta)
@@ -78,7 +89,7 @@ def check_adapter(path: Path, report: Report) -> None:
                    "merge it (python -m qwenft merge adapter=PATH out=DIR) and serve the merged model, or train "
                    "again with settings vLLM accepts (LoRA on the 7 projections, r <= 512, no DoRA or "
                    "modules_to_save)")
-    elif isinstance(config.get("r"), int):
+    elif isinstance(config.get("r"), int) and not any(c.startswith("adapter-") for c in report.codes()):
         report.note(f"vLLM can serve it unmerged: --enable-lora --max-lora-rank {vllm_max_lora_rank(config['r'])}")
 
 

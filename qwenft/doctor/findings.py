@@ -33,6 +33,9 @@ CODES: Dict[str, Tuple[str, str]] = {
     "rope-scaling-inconsistent": ("error", "RoPE scaling settings that contradict each other"),
     "adapter-base-mismatch": ("error", "the adapter's LoRA matrices do not fit the base's projections (trained on "
                                        "another model size)"),
+    "adapter-targets-mismatch": ("error", "the adapter holds LoRA weights of modules its target_modules does not "
+                                 "name: peft drops them silently"),
+    "adapter-rank-mismatch": ("error", "the LoRA matrices' rank is not adapter_config.json's r"),
     "rope-theta-lost": ("error", "transformers loads another RoPE base (rope_theta) than config.json declares or "
                                  "the family member has"),
     "rope-trained-past-window": ("warning", "trained on sequences longer than the model's context, without enough "

@@ -276,6 +276,39 @@ def test_adapter_base_mismatch(tmp_path):
     assert codes(right) == []
 
 
+def test_adapter_targets_mismatch(plain_adapter, tmp_path):
+    """target_modules cut to q_proj while the weights hold q/k/v/o: peft would load only the q_proj matrices."""
+    assert codes(plain_adapter) == []
+    cut = copy(plain_adapter, tmp_path / "cut")
+    edit_json(cut / "adapter_config.json", target_modules=["q_proj"])
+    report = diagnose(cut)
+    assert report.codes() == ["adapter-targets-mismatch"]
+    assert "k_proj, o_proj, v_proj" in report.findings[0].message
+    assert not any("vLLM can serve" in line for line in report.info)
+    regex = copy(plain_adapter, tmp_path / "regex")  # peft's regex form naming all four: clean
+    edit_json(regex / "adapter_config.json", target_modules=r".*\.(q|k|v|o)_proj")
+    assert codes(regex) == []
+
+
+def test_adapter_rank_mismatch(plain_adapter, tmp_path):
+    """r says 16, the matrices are rank 8: peft refuses the adapter, vLLM would get --max-lora-rank 16."""
+    wrong = copy(plain_adapter, tmp_path / "r16")
+    edit_json(wrong / "adapter_config.json", r=16)
+    report = diagnose(wrong)
+    assert report.codes() == ["adapter-rank-mismatch"]
+    assert "has rank 8" in report.findings[0].message and '"r": 8' in report.findings[0].fix
+
+
+def test_adapter_without_weights_is_unreadable(plain_adapter, tmp_path):
+    gone = copy(plain_adapter, tmp_path / "gone")
+    (gone / "adapter_model.safetensors").unlink()
+    with pytest.raises(QwenftError, match="no adapter_model.safetensors"):
+        diagnose(gone)
+    (gone / "adapter_model.bin").write_bytes(b"not a pickle")  # never read: said as skipped
+    report = diagnose(gone)
+    assert any("adapter_model.bin is a pickle, never read" in line for line in report.info)
+
+
 def test_every_code_has_a_test():
     text = Path(__file__).read_text(encoding="utf-8")
     assert [code for code in CODES if f'"{code}"' not in text.split("def test_every_code_has_a_test")[0]] == []
@@ -371,6 +404,19 @@ def hub_adapter(path: Path, base: str, template: bool = True) -> Path:
     if template:
         (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>",
                                                                 "pad_token": "<|endoftext|>"}), encoding="utf-8")
+    from qwenft.model.family import member
+    from tests.doctor.conftest import header_only_safetensors
+
+    known = member(base)  # layer 0's q/v matrices, rank 16, shaped for the base (headers only)
+    tensors = {}
+    if known is not None:
+        hidden = known.config["hidden_size"]
+        kv = hidden // known.config["num_attention_heads"] * known.config["num_key_value_heads"]
+        for name, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.0.self_attn.{name}"
+            tensors.update({f"{prefix}.lora_A.weight": ("F32", (16, hidden)),
+                            f"{prefix}.lora_B.weight": ("F32", (out, 16))})
+    header_only_safetensors(path / "adapter_model.safetensors", tensors)
     return path
 
 

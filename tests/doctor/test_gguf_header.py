@@ -10,7 +10,6 @@ import resource
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +82,8 @@ def test_a_count_or_length_past_the_end_is_unreadable(case, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"qwenft: error: {path}: corrupt or truncated GGUF: "), lines
     assert said in lines[0]
-    started = time.perf_counter()
-    with pytest.raises(QwenftError, match="corrupt or truncated GGUF"):
+    with pytest.raises(QwenftError, match="corrupt or truncated GGUF"):  # in process too (the hang guard: above)
         read_gguf(path)
-    assert time.perf_counter() - started < 1.0
 
 
 def test_an_unknown_value_type_is_unreadable(tmp_path, capsys):
