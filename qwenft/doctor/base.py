@@ -121,16 +121,15 @@ LORA_NAME = re.compile(r"\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
 def projection_shapes(config: dict) -> Dict[str, tuple]:
-    """``{module: (in_features, out_features)}`` of a Qwen2 layer's projections, from its config.json."""
-    hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads") or config.get(
-        "num_attention_heads")
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, inter, heads, kv)):
+    """``{module: (in_features, out_features)}`` of a Qwen2 layer's projections from its config.json (the planner's
+    :func:`qwenft.plan.arch.projection_shapes`); {} when the config lacks the sizes it needs."""
+    from qwenft.config import QwenftError
+    from qwenft.plan.arch import Architecture, projection_shapes as planned
+
+    try:
+        return planned(Architecture.from_config_dict(config, "config.json"))
+    except (QwenftError, TypeError, ValueError, ZeroDivisionError):
         return {}
-    head_dim = config.get("head_dim") if isinstance(config.get("head_dim"), int) else hidden // heads
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
-            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
 
 
 def shape_mismatches(tensors: Dict[str, Tensor], config: dict) -> List[tuple]:
